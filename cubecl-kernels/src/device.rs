@@ -1,0 +1,60 @@
+//! Choosing a Burn device by name, probing GPU runtimes before Burn touches them (Burn's CUDA
+//! device is lazy and panics on first use when no driver can be loaded).
+
+use burn::tensor::Device;
+
+use crate::KernelError;
+
+/// The devices this crate is built and tested for.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum DeviceKind {
+    /// Burn's pure-Rust CPU backend (Flex): the reference path, no kernels.
+    Cpu,
+    /// CubeCL's CPU runtime (LLVM JIT): runs the CubeCL kernels on the host, without plane ops.
+    CubeclCpu,
+    /// A CUDA GPU: the CubeCL kernels with plane ops and tensor cores.
+    Cuda(usize),
+}
+
+impl std::str::FromStr for DeviceKind {
+    type Err = KernelError;
+
+    /// `cpu`, `cubecl-cpu`, `cuda` or `cuda:N`.
+    fn from_str(s: &str) -> Result<Self, Self::Err> {
+        match s {
+            "cpu" => Ok(Self::Cpu),
+            "cubecl-cpu" => Ok(Self::CubeclCpu),
+            "cuda" => Ok(Self::Cuda(0)),
+            _ => s
+                .strip_prefix("cuda:")
+                .and_then(|i| i.parse().ok())
+                .map(Self::Cuda)
+                .ok_or_else(|| KernelError::invalid(format!("unknown device `{s}` (expected cpu, cubecl-cpu, cuda or cuda:N)"))),
+        }
+    }
+}
+
+impl DeviceKind {
+    /// The Burn device, after checking that the runtime is built in and the hardware exists.
+    pub fn device(self) -> Result<Device, KernelError> {
+        match self {
+            Self::Cpu => Ok(Device::flex()),
+            #[cfg(feature = "cpu")]
+            Self::CubeclCpu => {
+                probe(cubecl::Device::cpu())?;
+                Ok(Device::cpu())
+            }
+            #[cfg(feature = "cuda")]
+            Self::Cuda(i) => {
+                probe(cubecl::Device::cuda(i))?;
+                Ok(Device::cuda(i))
+            }
+            #[allow(unreachable_patterns)]
+            other => Err(KernelError::invalid(format!("{other:?}: this build lacks the runtime (cargo feature)"))),
+        }
+    }
+}
+
+fn probe(device: Result<cubecl::Device, cubecl::device::DeviceUnavailable>) -> Result<(), KernelError> {
+    device.map(|_| ()).map_err(|e| KernelError::invalid(format!("device unavailable: {e}")))
+}

@@ -1,0 +1,44 @@
+//! CubeCL kernels for LLM inference, registered as custom Burn backend ops.
+//!
+//! Every op has a plain-Burn reference path (the `reference` modules) that runs on any backend,
+//! defines what the op computes and is the test oracle.
+//!
+//! | op | shapes |
+//! | --- | --- |
+//! | [`rms_norm_linear`] | `x [M, K]`, `g [K]`, `W [N, K]`, `b [N]` → `[M, N]` |
+//! | [`add_rms_norm_linear`] | as above plus `residual [M, K]`; also returns `h = x + residual` |
+//! | [`linear`] | `x [M, K]`, `W [N, K]`, `b [N]` → `[M, N]` |
+//! | [`store_kv`] | `k, v [T, kv_heads, d]` into the paged cache at `slot_mapping` |
+//! | [`paged_attention`] | `q [T, heads, d]` over each sequence's cached context → `[T, heads, d]` |
+
+pub mod attention;
+mod device;
+mod error;
+pub mod rms_norm_linear;
+
+pub use attention::{AttentionMetadata, LayerKvCache};
+pub use device::DeviceKind;
+pub use error::KernelError;
+pub use rms_norm_linear::{add_rms_norm_linear, linear, rms_norm, rms_norm_linear};
+
+use burn::tensor::Tensor;
+
+/// Writes the new tokens' keys and values into the paged cache (`meta.slot_mapping`, −1 = skip).
+///
+/// `k`, `v`: `[num_tokens, num_kv_heads, head_dim]`, in the cache's dtype.
+pub fn store_kv(cache: &mut LayerKvCache, k: Tensor<3>, v: Tensor<3>, meta: &AttentionMetadata) {
+    attention::reference::store_kv(cache, k, v, meta)
+}
+
+/// Causal attention of each sequence's new tokens over its cached context (the new keys
+/// included: call [`store_kv`] first), with grouped-query heads and softmax scale `scale`.
+///
+/// `q`: `[num_tokens, num_heads, head_dim]` → `[num_tokens, num_heads, head_dim]`.
+pub fn paged_attention(
+    q: Tensor<3>,
+    cache: &LayerKvCache,
+    meta: &AttentionMetadata,
+    scale: f32,
+) -> Tensor<3> {
+    attention::reference::paged_attention(q, cache, meta, scale)
+}

@@ -1,0 +1,232 @@
+//! The Qwen2 / Qwen2.5 / Qwen3 causal language model as a Burn module.
+
+use std::path::Path;
+
+use burn::module::{Module, Param};
+use burn::tensor::{DType, Device, Distribution, FloatDType, Int, Tensor, TensorData};
+use cubecl_kernels::AttentionMetadata;
+
+use crate::config::Qwen2Config;
+use crate::error::{ModelError, Result};
+use crate::kv_cache::KvCache;
+use crate::layers::{Linear, Qwen2Attention, Qwen2DecoderLayer, Qwen2Mlp, RmsNorm, RotaryEmbedding};
+use crate::weights::Checkpoint;
+
+/// Which rows of the flattened batch get logits.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum LogitsRows {
+    /// Every token (`[num_tokens, V]`): scoring prompts, tests.
+    All,
+    /// The last token of each sequence (`[B, V]`): generation.
+    LastPerSequence,
+}
+
+/// Qwen2-family decoder-only transformer with its LM head.
+///
+/// The forward pass takes a flattened batch of several sequences (`input_ids [num_tokens]`) and
+/// an [`AttentionMetadata`] saying which tokens belong to which sequence and where each
+/// sequence's keys and values live in the paged [`KvCache`].
+#[derive(Module, Debug)]
+pub struct Qwen2Model {
+    /// Token embedding, `[V, H]`.
+    pub embed_tokens: Param<Tensor<2>>,
+    /// Decoder layers.
+    pub layers: Vec<Qwen2DecoderLayer>,
+    /// Final RMSNorm, `[H]`.
+    pub norm: RmsNorm,
+    /// LM head, `[V, H]`; shares `embed_tokens`' buffer when the embeddings are tied.
+    pub lm_head: Linear,
+    /// RoPE tables.
+    pub rotary: RotaryEmbedding,
+    /// The configuration the model was built from.
+    #[module(skip)]
+    pub config: Qwen2Config,
+}
+
+impl Qwen2Model {
+    /// Loads a Hugging Face checkpoint folder (`config.json` + safetensors) in `dtype`.
+    pub fn from_pretrained(dir: impl AsRef<Path>, dtype: DType, device: &Device) -> Result<Self> {
+        let dir = dir.as_ref();
+        let config = Qwen2Config::from_file(dir.join("config.json"))?;
+        let mut ckpt = Checkpoint::open(dir)?;
+        let model = Self::from_checkpoint(config, &mut ckpt, dtype, device)?;
+        ckpt.finish()?;
+        Ok(model)
+    }
+
+    /// Builds the model from an opened checkpoint, reading every tensor the config implies.
+    pub fn from_checkpoint(config: Qwen2Config, ckpt: &mut Checkpoint, dtype: DType, device: &Device) -> Result<Self> {
+        let c = &config;
+        let (h, i, d) = (c.hidden_size, c.intermediate_size, c.head_dim);
+        let (q, kv) = (c.q_size(), c.kv_size());
+        let embed = ckpt.tensor("model.embed_tokens.weight", [c.vocab_size, h], dtype, device)?;
+        let norm = |ckpt: &mut Checkpoint, name: &str, dim: usize| -> Result<RmsNorm> {
+            Ok(RmsNorm::new(ckpt.tensor(name, [dim], dtype, device)?, c.rms_norm_eps))
+        };
+        let mut layers = Vec::with_capacity(c.num_hidden_layers);
+        for l in 0..c.num_hidden_layers {
+            let p = format!("model.layers.{l}");
+            let attn = format!("{p}.self_attn");
+            let qkv_w = ckpt.concat(
+                &[(&format!("{attn}.q_proj.weight"), [q, h]), (&format!("{attn}.k_proj.weight"), [kv, h]), (&format!("{attn}.v_proj.weight"), [kv, h])],
+                dtype,
+                device,
+            )?;
+            let qkv_b = if c.attention_bias {
+                Some(ckpt.concat(
+                    &[(&format!("{attn}.q_proj.bias"), [q]), (&format!("{attn}.k_proj.bias"), [kv]), (&format!("{attn}.v_proj.bias"), [kv])],
+                    dtype,
+                    device,
+                )?)
+            } else {
+                None
+            };
+            let (q_norm, k_norm) = if c.qk_norm {
+                (Some(norm(ckpt, &format!("{attn}.q_norm.weight"), d)?), Some(norm(ckpt, &format!("{attn}.k_norm.weight"), d)?))
+            } else {
+                (None, None)
+            };
+            let o_proj = ckpt.tensor(&format!("{attn}.o_proj.weight"), [h, q], dtype, device)?;
+            let gate_up = ckpt.concat(
+                &[(&format!("{p}.mlp.gate_proj.weight"), [i, h]), (&format!("{p}.mlp.up_proj.weight"), [i, h])],
+                dtype,
+                device,
+            )?;
+            let down = ckpt.tensor(&format!("{p}.mlp.down_proj.weight"), [h, i], dtype, device)?;
+            // Older exports carry RoPE buffers; they are recomputed, never read.
+            let _ = ckpt.raw(&format!("{attn}.rotary_emb.inv_freq"), &[d / 2]);
+            layers.push(Qwen2DecoderLayer {
+                input_layernorm: norm(ckpt, &format!("{p}.input_layernorm.weight"), h)?,
+                self_attn: Qwen2Attention {
+                    qkv_proj: Linear::new(qkv_w, qkv_b),
+                    o_proj: Linear::new(o_proj, None),
+                    q_norm,
+                    k_norm,
+                    num_heads: c.num_attention_heads,
+                    num_kv_heads: c.num_key_value_heads,
+                    head_dim: d,
+                },
+                post_attention_layernorm: norm(ckpt, &format!("{p}.post_attention_layernorm.weight"), h)?,
+                mlp: Qwen2Mlp { gate_up_proj: Linear::new(gate_up, None), down_proj: Linear::new(down, None) },
+            });
+        }
+        let final_norm = norm(ckpt, "model.norm.weight", h)?;
+        let lm_head = if c.tie_word_embeddings {
+            // Some exports store the tied head anyway; the embedding is what the model uses.
+            let _ = ckpt.raw("lm_head.weight", &[c.vocab_size, h]);
+            embed.clone()
+        } else {
+            ckpt.tensor("lm_head.weight", [c.vocab_size, h], dtype, device)?
+        };
+        Ok(Self::assemble(config, embed, layers, final_norm, lm_head, device))
+    }
+
+    /// Random weights for any config (like vLLM's `load_format=dummy`): real shapes without a
+    /// download, for benchmarks. Linear weights ~ N(0, 0.02), norms 1.
+    pub fn dummy(config: Qwen2Config, dtype: DType, device: &Device) -> Self {
+        let c = &config;
+        let (h, i, d) = (c.hidden_size, c.intermediate_size, c.head_dim);
+        let qkv_rows = c.q_size() + 2 * c.kv_size();
+        let normal = |shape: [usize; 2]| Tensor::<2>::random(shape, Distribution::Normal(0.0, 0.02), (device, dtype));
+        let ones = |dim: usize| RmsNorm::new(Tensor::ones([dim], (device, dtype)), c.rms_norm_eps);
+        let layers = (0..c.num_hidden_layers)
+            .map(|_| Qwen2DecoderLayer {
+                input_layernorm: ones(h),
+                self_attn: Qwen2Attention {
+                    qkv_proj: Linear::new(
+                        normal([qkv_rows, h]),
+                        c.attention_bias.then(|| Tensor::random([qkv_rows], Distribution::Normal(0.0, 0.02), (device, dtype))),
+                    ),
+                    o_proj: Linear::new(normal([h, c.q_size()]), None),
+                    q_norm: c.qk_norm.then(|| ones(d)),
+                    k_norm: c.qk_norm.then(|| ones(d)),
+                    num_heads: c.num_attention_heads,
+                    num_kv_heads: c.num_key_value_heads,
+                    head_dim: d,
+                },
+                post_attention_layernorm: ones(h),
+                mlp: Qwen2Mlp { gate_up_proj: Linear::new(normal([2 * i, h]), None), down_proj: Linear::new(normal([h, i]), None) },
+            })
+            .collect();
+        let embed = normal([c.vocab_size, h]);
+        let lm_head = if c.tie_word_embeddings { embed.clone() } else { normal([c.vocab_size, h]) };
+        let final_norm = ones(h);
+        Self::assemble(config, embed, layers, final_norm, lm_head, device)
+    }
+
+    fn assemble(
+        config: Qwen2Config,
+        embed: Tensor<2>,
+        layers: Vec<Qwen2DecoderLayer>,
+        norm: RmsNorm,
+        lm_head: Tensor<2>,
+        device: &Device,
+    ) -> Self {
+        let rotary = RotaryEmbedding::new(config.head_dim, config.max_position_embeddings, config.rope_theta, device);
+        Self { embed_tokens: Param::from_tensor(embed), layers, norm, lm_head: Linear::new(lm_head, None), rotary, config }
+    }
+
+    /// The compute dtype of the weights.
+    pub fn dtype(&self) -> DType {
+        self.embed_tokens.val().dtype()
+    }
+
+    /// Checks token ids against the vocabulary and uploads them, `[num_tokens]`.
+    pub fn input_ids(&self, ids: &[u32], device: &Device) -> Result<Tensor<1, Int>> {
+        if let Some(&bad) = ids.iter().find(|&&id| id as usize >= self.config.vocab_size) {
+            return Err(ModelError::Input(format!("token id {bad} is outside the vocabulary of {}", self.config.vocab_size)));
+        }
+        let ids: Vec<i32> = ids.iter().map(|&v| v as i32).collect();
+        let n = ids.len();
+        Ok(Tensor::from_data(TensorData::new(ids, [n]), (device, DType::I32)))
+    }
+
+    /// Embedding lookup. `input_ids [T]` → `[T, H]`.
+    pub fn embed(&self, input_ids: Tensor<1, Int>) -> Tensor<2> {
+        self.embed_tokens.val().select(0, input_ids)
+    }
+
+    /// Runs the decoder over a flattened batch and returns f32 logits.
+    ///
+    /// `input_ids [num_tokens]` → `[num_tokens, V]` ([`LogitsRows::All`]) or `[B, V]`
+    /// ([`LogitsRows::LastPerSequence`]). Writes the batch's keys and values into `cache`.
+    pub fn forward(
+        &self,
+        input_ids: Tensor<1, Int>,
+        meta: &AttentionMetadata,
+        cache: &mut KvCache,
+        rows: LogitsRows,
+    ) -> Tensor<2> {
+        let (x, residual) = self.forward_hidden(input_ids, meta, cache);
+        let (x, residual) = match rows {
+            LogitsRows::All => (x, residual),
+            LogitsRows::LastPerSequence => {
+                let last: Vec<i32> = meta.cu_seqlens_q()[1..].iter().map(|&e| e as i32 - 1).collect();
+                let n = last.len();
+                let idx = Tensor::<1, Int>::from_data(TensorData::new(last, [n]), (&x.device(), DType::I32));
+                (x.select(0, idx.clone()), residual.select(0, idx))
+            }
+        };
+        let (logits, _) = self.norm.forward_add_linear(x, residual, &self.lm_head);
+        logits.cast(FloatDType::F32)
+    }
+
+    /// Runs the decoder layers; returns `(x, residual)` whose sum is the final residual stream,
+    /// both `[num_tokens, H]`.
+    pub fn forward_hidden(
+        &self,
+        input_ids: Tensor<1, Int>,
+        meta: &AttentionMetadata,
+        cache: &mut KvCache,
+    ) -> (Tensor<2>, Tensor<2>) {
+        let mut x = self.embed(input_ids);
+        let mut residual = None;
+        for (layer, layer_cache) in self.layers.iter().zip(cache.layers.iter_mut()) {
+            let (out, r) = layer.forward(x, residual, &self.rotary, meta, layer_cache);
+            x = out;
+            residual = Some(r);
+        }
+        let residual = residual.unwrap_or_else(|| x.zeros_like());
+        (x, residual)
+    }
+}

@@ -1,0 +1,140 @@
+//! The Qwen2 tokenizer (`tokenizer.json`, byte-level BPE) and the chat template from
+//! `tokenizer_config.json`, rendered with minijinja the way transformers renders it with Jinja2.
+
+use std::path::Path;
+
+use minijinja::{Environment, Error as JinjaError, ErrorKind, context};
+use serde::Serialize;
+use serde_json::Value;
+
+use crate::error::{ModelError, Result};
+
+/// One turn of a conversation.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize)]
+pub struct ChatMessage {
+    /// `system`, `user`, `assistant` or `tool`.
+    pub role: String,
+    /// The text of the turn.
+    pub content: String,
+}
+
+impl ChatMessage {
+    /// A message with `role` and `content`.
+    pub fn new(role: impl Into<String>, content: impl Into<String>) -> Self {
+        Self { role: role.into(), content: content.into() }
+    }
+}
+
+/// Text ↔ token ids, plus the checkpoint's chat template.
+pub struct Qwen2Tokenizer {
+    inner: tokenizers::Tokenizer,
+    chat_template: Option<String>,
+    bos_token: Option<String>,
+    eos_token: Option<String>,
+}
+
+impl Qwen2Tokenizer {
+    /// Reads `tokenizer.json` and, when present, `tokenizer_config.json` (chat template,
+    /// special tokens) and `chat_template.jinja` from a checkpoint folder.
+    pub fn from_dir(dir: impl AsRef<Path>) -> Result<Self> {
+        let dir = dir.as_ref();
+        let json = dir.join("tokenizer.json");
+        if !json.exists() {
+            return Err(ModelError::MissingFile(json));
+        }
+        let inner = tokenizers::Tokenizer::from_file(&json)
+            .map_err(|e| ModelError::Tokenizer(format!("{}: {e}", json.display())))?;
+        let mut tok = Self { inner, chat_template: None, bos_token: None, eos_token: None };
+        let config_path = dir.join("tokenizer_config.json");
+        if config_path.exists() {
+            let text = std::fs::read_to_string(&config_path)
+                .map_err(|source| ModelError::Io { path: config_path.clone(), source })?;
+            let config: Value = serde_json::from_str(&text)
+                .map_err(|e| ModelError::Parse { path: config_path.clone(), message: e.to_string() })?;
+            tok.chat_template = template_from_config(&config);
+            tok.bos_token = token_string(config.get("bos_token"));
+            tok.eos_token = token_string(config.get("eos_token"));
+        }
+        let jinja = dir.join("chat_template.jinja");
+        if tok.chat_template.is_none() && jinja.exists() {
+            tok.chat_template =
+                Some(std::fs::read_to_string(&jinja).map_err(|source| ModelError::Io { path: jinja, source })?);
+        }
+        Ok(tok)
+    }
+
+    /// Token ids of `text`, with nothing added (Qwen has no BOS).
+    pub fn encode(&self, text: &str) -> Result<Vec<u32>> {
+        let enc = self.inner.encode(text, false).map_err(|e| ModelError::Tokenizer(e.to_string()))?;
+        Ok(enc.get_ids().to_vec())
+    }
+
+    /// Text of `ids`; `skip_special_tokens` drops special tokens such as `<|im_end|>`.
+    pub fn decode(&self, ids: &[u32], skip_special_tokens: bool) -> Result<String> {
+        self.inner.decode(ids, skip_special_tokens).map_err(|e| ModelError::Tokenizer(e.to_string()))
+    }
+
+    /// Id of a token string such as `<|im_end|>`.
+    pub fn token_to_id(&self, token: &str) -> Option<u32> {
+        self.inner.token_to_id(token)
+    }
+
+    /// The `eos_token` named by `tokenizer_config.json`, if any.
+    pub fn eos_token(&self) -> Option<&str> {
+        self.eos_token.as_deref()
+    }
+
+    /// True if the checkpoint ships a chat template.
+    pub fn has_chat_template(&self) -> bool {
+        self.chat_template.is_some()
+    }
+
+    /// Renders the chat template over `messages`; with `add_generation_prompt` the text ends
+    /// with the opening of an assistant turn.
+    pub fn apply_chat_template(&self, messages: &[ChatMessage], add_generation_prompt: bool) -> Result<String> {
+        let template = self
+            .chat_template
+            .as_deref()
+            .ok_or_else(|| ModelError::Tokenizer("tokenizer_config.json has no chat_template".into()))?;
+        let mut env = Environment::new();
+        // transformers renders with Jinja2(trim_blocks=True, lstrip_blocks=True).
+        env.set_trim_blocks(true);
+        env.set_lstrip_blocks(true);
+        env.set_unknown_method_callback(minijinja_contrib::pycompat::unknown_method_callback);
+        env.add_function("raise_exception", |msg: String| -> std::result::Result<String, JinjaError> {
+            Err(JinjaError::new(ErrorKind::InvalidOperation, msg))
+        });
+        let render_err = |e: JinjaError| ModelError::Tokenizer(format!("chat template: {e:#}"));
+        env.add_template("chat", template).map_err(render_err)?;
+        env.get_template("chat")
+            .and_then(|t| {
+                t.render(context! {
+                    messages => messages,
+                    add_generation_prompt => add_generation_prompt,
+                    bos_token => self.bos_token.clone().unwrap_or_default(),
+                    eos_token => self.eos_token.clone().unwrap_or_default(),
+                })
+            })
+            .map_err(render_err)
+    }
+}
+
+fn template_from_config(config: &Value) -> Option<String> {
+    match config.get("chat_template")? {
+        Value::String(s) => Some(s.clone()),
+        // A list of named templates: take "default".
+        Value::Array(list) => list
+            .iter()
+            .find(|t| t.get("name").and_then(Value::as_str) == Some("default"))
+            .and_then(|t| t.get("template")?.as_str().map(str::to_string)),
+        _ => None,
+    }
+}
+
+fn token_string(value: Option<&Value>) -> Option<String> {
+    match value? {
+        Value::String(s) => Some(s.clone()),
+        Value::Object(o) => o.get("content")?.as_str().map(str::to_string),
+        _ => None,
+    }
+}
