@@ -13,15 +13,28 @@
 
 pub mod attention;
 mod device;
+mod device_caps;
 mod error;
+pub mod ops;
 pub mod rms_norm_linear;
 
 pub use attention::{AttentionMetadata, LayerKvCache};
 pub use device::DeviceKind;
 pub use error::KernelError;
-pub use rms_norm_linear::{add_rms_norm_linear, linear, rms_norm, rms_norm_linear};
+pub use rms_norm_linear::{add_rms_norm_linear, check_args, linear, rms_norm, rms_norm_linear};
 
+use burn::backend::DispatchDevice;
 use burn::tensor::Tensor;
+
+/// True if `t` lives on a CubeCL device, where the ops run our kernels.
+pub(crate) fn runs_kernels<const D: usize>(t: &Tensor<D>) -> bool {
+    #[allow(unreachable_patterns)]
+    match t.device().as_dispatch() {
+        #[cfg(any(feature = "cpu", feature = "cuda"))]
+        DispatchDevice::Cube(_) => true,
+        _ => false,
+    }
+}
 
 /// Writes the new tokens' keys and values into the paged cache (`meta.slot_mapping`, −1 = skip).
 ///

@@ -1,17 +1,30 @@
 //! Fused RMSNorm + linear, its residual variant, and the plain linear op.
+//!
+//! On CubeCL devices these run our kernels (`kernel.rs`, launched by `launch.rs`); elsewhere the
+//! plain-Burn composition in `reference.rs`, which also defines what they compute.
 
+pub(crate) mod kernel;
+pub(crate) mod launch;
 pub mod reference;
 
-use burn::tensor::Tensor;
+use burn::backend::Dispatch;
+use burn::tensor::{DType, Tensor};
+
+use crate::KernelError;
+use crate::ops::{KernelOps, LinearOperands};
 
 /// RMSNorm over the last dimension (statistics in f32). `x [M, K]`, `weight [K]` → `[M, K]`.
 pub fn rms_norm(x: Tensor<2>, weight: Tensor<1>, eps: f64) -> Tensor<2> {
     reference::rms_norm(x, weight, eps)
 }
 
-/// `y = rms_norm(x, norm_weight) · Wᵀ (+ b)`.
+/// `y = rms_norm(x, norm_weight) · Wᵀ (+ b)`, without writing the normalised `x` to memory.
 ///
-/// `x [M, K]`, `norm_weight [K]`, `weight [N, K]` (Hugging Face layout), `bias [N]` → `[M, N]`.
+/// `x [M, K]`, `norm_weight [K]`, `weight [N, K]` (Hugging Face layout), `bias [N]` → `[M, N]`;
+/// f32, f16 or bf16, all operands of one dtype; accumulation in f32.
+///
+/// # Panics
+/// On mismatched shapes or dtypes, with a message naming the operand (see [`check_args`]).
 pub fn rms_norm_linear(
     x: Tensor<2>,
     norm_weight: Tensor<1>,
@@ -19,13 +32,20 @@ pub fn rms_norm_linear(
     bias: Option<Tensor<1>>,
     eps: f64,
 ) -> Tensor<2> {
-    reference::rms_norm_linear(x, norm_weight, weight, bias, eps)
+    expect_valid("rms_norm_linear", check_args(&x, None, Some(&norm_weight), &weight, bias.as_ref()));
+    if !crate::runs_kernels(&x) {
+        return reference::rms_norm_linear(x, norm_weight, weight, bias, eps);
+    }
+    dispatch(x, None, Some(norm_weight), weight, bias, eps).0
 }
 
 /// `h = x + residual; y = rms_norm(h, norm_weight) · Wᵀ (+ b)`; returns `(y, h)`.
 ///
 /// `x`, `residual [M, K]`, `norm_weight [K]`, `weight [N, K]`, `bias [N]` →
-/// `(y [M, N], h [M, K])`.
+/// `(y [M, N], h [M, K])`. This is the pre-attention / pre-MLP step of Qwen2 and Llama blocks.
+///
+/// # Panics
+/// On mismatched shapes or dtypes, with a message naming the operand (see [`check_args`]).
 pub fn add_rms_norm_linear(
     x: Tensor<2>,
     residual: Tensor<2>,
@@ -34,10 +54,106 @@ pub fn add_rms_norm_linear(
     bias: Option<Tensor<1>>,
     eps: f64,
 ) -> (Tensor<2>, Tensor<2>) {
-    reference::add_rms_norm_linear(x, residual, norm_weight, weight, bias, eps)
+    expect_valid(
+        "add_rms_norm_linear",
+        check_args(&x, Some(&residual), Some(&norm_weight), &weight, bias.as_ref()),
+    );
+    if !crate::runs_kernels(&x) {
+        return reference::add_rms_norm_linear(x, residual, norm_weight, weight, bias, eps);
+    }
+    dispatch(x, Some(residual), Some(norm_weight), weight, bias, eps)
 }
 
 /// `y = x · Wᵀ (+ b)`. `x [M, K]`, `weight [N, K]`, `bias [N]` → `[M, N]`.
+///
+/// # Panics
+/// On mismatched shapes or dtypes, with a message naming the operand (see [`check_args`]).
 pub fn linear(x: Tensor<2>, weight: Tensor<2>, bias: Option<Tensor<1>>) -> Tensor<2> {
-    reference::linear(x, weight, bias)
+    expect_valid("linear", check_args(&x, None, None, &weight, bias.as_ref()));
+    if !crate::runs_kernels(&x) {
+        return reference::linear(x, weight, bias);
+    }
+    dispatch(x, None, None, weight, bias, 0.0).0
+}
+
+fn dispatch(
+    x: Tensor<2>,
+    residual: Option<Tensor<2>>,
+    gamma: Option<Tensor<1>>,
+    weight: Tensor<2>,
+    bias: Option<Tensor<1>>,
+    eps: f64,
+) -> (Tensor<2>, Tensor<2>) {
+    let mut operands = 0;
+    for (present, bit) in [
+        (residual.is_some(), LinearOperands::RESIDUAL),
+        (gamma.is_some(), LinearOperands::NORM),
+        (bias.is_some(), LinearOperands::BIAS),
+    ] {
+        if present {
+            operands |= bit;
+        }
+    }
+    // Absent operands are placeholders the kernels never read.
+    let placeholder = || x.clone().into_dispatch();
+    let (y, h) = Dispatch::fused_linear(
+        x.clone().into_dispatch(),
+        residual.map(Tensor::into_dispatch).unwrap_or_else(placeholder),
+        gamma.map(|g| g.into_dispatch()).unwrap_or_else(placeholder),
+        weight.into_dispatch(),
+        bias.map(|b| b.into_dispatch()).unwrap_or_else(placeholder),
+        eps as f32,
+        operands,
+    );
+    (Tensor::from_dispatch(y), Tensor::from_dispatch(h))
+}
+
+/// Checks the operands of the linear family: `x [M, K]`, `residual [M, K]`, `norm_weight [K]`,
+/// `weight [N, K]`, `bias [N]`, one float dtype among f32, f16 and bf16.
+pub fn check_args(
+    x: &Tensor<2>,
+    residual: Option<&Tensor<2>>,
+    norm_weight: Option<&Tensor<1>>,
+    weight: &Tensor<2>,
+    bias: Option<&Tensor<1>>,
+) -> Result<(), KernelError> {
+    let [_, k] = x.dims();
+    let [n, wk] = weight.dims();
+    let dtype = x.dtype();
+    if !matches!(dtype, DType::F32 | DType::F16 | DType::BF16) {
+        return Err(KernelError::invalid(format!("x has dtype {dtype:?}; expected f32, f16 or bf16")));
+    }
+    if wk != k {
+        return Err(KernelError::invalid(format!("weight has shape {:?}; expected [N, {k}] for x of shape {:?}", weight.dims(), x.dims())));
+    }
+    let same = |name: &str, d: DType| {
+        if d == dtype { Ok(()) } else { Err(KernelError::invalid(format!("{name} has dtype {d:?}, x has {dtype:?}"))) }
+    };
+    same("weight", weight.dtype())?;
+    if let Some(r) = residual {
+        if r.dims() != x.dims() {
+            return Err(KernelError::invalid(format!("residual has shape {:?}, x has {:?}", r.dims(), x.dims())));
+        }
+        same("residual", r.dtype())?;
+    }
+    if let Some(g) = norm_weight {
+        if g.dims() != [k] {
+            return Err(KernelError::invalid(format!("norm_weight has shape {:?}; expected [{k}]", g.dims())));
+        }
+        same("norm_weight", g.dtype())?;
+    }
+    if let Some(b) = bias {
+        if b.dims() != [n] {
+            return Err(KernelError::invalid(format!("bias has shape {:?}; expected [{n}]", b.dims())));
+        }
+        same("bias", b.dtype())?;
+    }
+    Ok(())
+}
+
+#[track_caller]
+fn expect_valid(op: &str, result: Result<(), KernelError>) {
+    if let Err(e) = result {
+        panic!("{op}: {e}");
+    }
 }

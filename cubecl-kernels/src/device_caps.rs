@@ -1,0 +1,54 @@
+//! What a CubeCL device offers the kernels, read from its properties: launch parameters come
+//! from here, not from constants scattered through the kernels.
+
+use burn::tensor::DType;
+use cubecl::client::Client;
+use cubecl::features::Plane;
+use cubecl::ir::{ElemType, FloatKind, features::MmaConfig};
+
+/// Capabilities of one device, as the launchers need them.
+#[derive(Clone, Debug)]
+pub(crate) struct DeviceCaps {
+    /// Plane (warp) reductions and shuffles are available (false on CPU runtimes).
+    pub plane_ops: bool,
+    /// Units per plane (32 on NVIDIA, 1 on cubecl-cpu).
+    pub plane_size: usize,
+    /// Tensor-core shapes and types.
+    pub cmma: Vec<MmaConfig>,
+    /// Units per cube for kernels that synchronise their cube: 4 planes on GPUs; on runtimes
+    /// without planes (cubecl-cpu runs each unit of a synchronising cube on its own OS thread
+    /// with a spin barrier) a cube no wider than the host's cores.
+    pub cube_units: usize,
+}
+
+impl DeviceCaps {
+    /// Reads the device behind `client`.
+    pub(crate) fn of(client: &Client) -> Self {
+        let props = client.properties();
+        let plane_ops = props.features.plane.contains(Plane::Ops);
+        let plane_size = if plane_ops { props.hardware.plane_size_max as usize } else { 1 };
+        let cube_units = if plane_ops {
+            4 * plane_size
+        } else {
+            let cores = props.hardware.num_cpu_cores.unwrap_or(1) as usize;
+            if cores >= 2 { 2 } else { 1 }
+        };
+        Self { plane_ops, plane_size, cmma: props.features.matmul.cmma.iter().copied().collect(), cube_units }
+    }
+
+    /// True if 16×16×16 cmma with `dtype` inputs and f32 accumulators is available.
+    pub(crate) fn cmma_16x16x16(&self, dtype: DType) -> bool {
+        let kind = match dtype {
+            DType::BF16 => FloatKind::BF16,
+            DType::F16 => FloatKind::F16,
+            _ => return false,
+        };
+        self.plane_size == 32
+            && self.cmma.iter().any(|c| {
+                c.a_type == ElemType::Float(kind)
+                    && c.b_type == ElemType::Float(kind)
+                    && c.cd_type == ElemType::Float(FloatKind::F32)
+                    && (c.m, c.n, c.k) == (16, 16, 16)
+            })
+    }
+}

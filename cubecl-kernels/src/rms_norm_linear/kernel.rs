@@ -1,0 +1,395 @@
+//! Device code of the RMSNorm + linear family (no host code here: see `launch.rs`).
+//!
+//! Memory layout: activations `x [M, K]` and weights `W [N, K]` (the Hugging Face `[out, in]`
+//! layout) are row-major with a unit stride along `K` and any row pitch; the output `y [M, N]` is
+//! row-major. Every product accumulates in f32 whatever the storage type `F`.
+//!
+//! The RMSNorm is applied on the fly: `rms_stats` writes `inv_rms [M]` (f32) once per row, and
+//! the product kernels multiply each `x` element by the norm weight `g[k]` as it is loaded and
+//! each finished dot product by `inv_rms[m]`, so the normalised activations never reach memory.
+//!
+//! | kernel | grid | cube |
+//! | --- | --- | --- |
+//! | `rms_stats` | one cube per row `m` | `cube_dim` units striding over `K` |
+//! | `linear_skinny` (small `M`) | one cube per `rows` output features | `cube_dim` units striding over `K` in vectors; loops over `M` in tiles of `m_tile` rows |
+//! | `linear_tiled` (large `M`) | one cube per `BM × BN` output tile | 128 units (4 planes on GPUs) |
+
+use cubecl::prelude::*;
+
+/// Launch-time choices of [`linear_skinny`].
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub struct SkinnyConfig {
+    /// Output features per cube.
+    pub rows: usize,
+    /// Input rows per register tile.
+    pub m_tile: usize,
+    /// Units per cube.
+    pub cube_dim: usize,
+    /// Apply the RMSNorm (`g`, `inv_rms`).
+    pub has_norm: bool,
+    /// Add a bias.
+    pub has_bias: bool,
+    /// Reduce with plane (warp) sums; otherwise through shared memory only.
+    pub use_plane: bool,
+}
+
+/// Launch-time choices of [`linear_tiled`].
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub struct TiledConfig {
+    /// Output rows per cube.
+    pub bm: usize,
+    /// Output features per cube.
+    pub bn: usize,
+    /// `K` per shared-memory stage.
+    pub bk: usize,
+    /// Units per cube.
+    pub cube_dim: usize,
+    /// Apply the RMSNorm (`g`, `inv_rms`).
+    pub has_norm: bool,
+    /// Add a bias.
+    pub has_bias: bool,
+    /// Tensor-core (cmma 16×16×16) products; otherwise f32 FMA on 4×4 register tiles.
+    pub use_cmma: bool,
+}
+
+/// Sum of `value` over the whole cube, returned to every unit.
+///
+/// `scratch` needs `CUBE_DIM` slots. With `use_plane`, plane sums meet in shared memory;
+/// otherwise every unit's value goes through shared memory.
+#[cube]
+pub fn cube_sum(value: f32, scratch: &mut Shared<[f32]>, #[comptime] use_plane: bool) -> f32 {
+    let parts = if comptime!(use_plane) { CUBE_DIM_X / PLANE_DIM } else { CUBE_DIM_X };
+    if comptime!(use_plane) {
+        let s = plane_sum(value);
+        if UNIT_POS_PLANE == 0 {
+            scratch[PLANE_POS as usize] = s;
+        }
+    } else {
+        scratch[UNIT_POS_X as usize] = value;
+    }
+    sync_cube();
+    let mut total = 0.0f32;
+    for p in 0..parts {
+        total += scratch[p as usize];
+    }
+    sync_cube();
+    total
+}
+
+/// `inv_rms[m] = 1 / sqrt(mean_k(h[m, k]²) + eps)` with `h = x (+ residual)`; with a residual,
+/// `h` is also written to `h_out` (rounded to `F` first, as the model's residual stream is).
+///
+/// Grid: one cube per row. `x`, `residual`, `h_out`: `[M, K]`; `inv_rms`: `[M]`.
+#[cube(launch_unchecked)]
+pub fn rms_stats<F: Float>(
+    x: &Tensor<F>,
+    residual: &Tensor<F>,
+    h_out: &mut Tensor<F>,
+    inv_rms: &mut Tensor<f32>,
+    eps: f32,
+    #[comptime] cube_dim: usize,
+    #[comptime] has_residual: bool,
+    #[comptime] use_plane: bool,
+    #[define(F)] _dtype: ElemType,
+) {
+    let row = CUBE_POS_X as usize;
+    let k = x.shape(1);
+    let mut acc = 0.0f32;
+    let mut i = UNIT_POS_X as usize;
+    while i < k {
+        let mut v = x[row * x.stride(0) + i];
+        if comptime!(has_residual) {
+            v += residual[row * residual.stride(0) + i];
+            let at = row * h_out.stride(0) + i;
+            h_out[at] = v;
+        }
+        let f = f32::cast_from(v);
+        acc += f * f;
+        i += CUBE_DIM_X as usize;
+    }
+    let mut scratch = Shared::<[f32]>::new_slice(cube_dim);
+    let total = cube_sum(acc, &mut scratch, use_plane);
+    if UNIT_POS_X == 0 {
+        inv_rms[row] = f32::inverse_sqrt(total / f32::cast_from(k) + eps);
+    }
+}
+
+/// `y[m, n] = Σ_k x[m, k]·g[k]·W[n, k] · inv_rms[m] (+ b[n])` for small `M`: reads each weight
+/// row once from memory (16-byte vectors), which is what bounds the op at decode sizes.
+///
+/// Grid: `ceil(N / rows)` cubes; cube: `cube_dim` units. Units stride over `K` in vectors of `NV`
+/// elements; for each tile of `m_tile` input rows every unit keeps `m_tile × rows` f32 partial
+/// sums in registers, which plane sums (or shared memory) reduce; the units then share the
+/// `m_tile × rows` outputs, add the bias and write. The weight rows of a cube stay in L1 across the `M` tiles.
+#[cube(launch_unchecked)]
+pub fn linear_skinny<F: Float, NV: Size>(
+    x: &Tensor<Vector<F, NV>>,
+    inv_rms: &Tensor<f32>,
+    gamma: &Tensor<Vector<F, NV>>,
+    w: &Tensor<Vector<F, NV>>,
+    bias: &Tensor<F>,
+    out: &mut Tensor<F>,
+    #[comptime] cfg: SkinnyConfig,
+    #[define(F)] _dtype: ElemType,
+) {
+    let nv = w.vector_size();
+    let k_vecs = w.shape(1) / nv;
+    let (x_pitch, w_pitch) = (x.stride(0) / nv, w.stride(0) / nv);
+    let m_total = x.shape(0);
+    let n_total = w.shape(0);
+    let n0 = CUBE_POS_X as usize * cfg.rows;
+    let tid = UNIT_POS_X as usize;
+    let tile = comptime!(cfg.m_tile * cfg.rows);
+    let mut scratch = Shared::<[f32]>::new_slice(comptime!(cfg.m_tile * cfg.rows * cfg.cube_dim));
+    let parts = if comptime!(cfg.use_plane) { CUBE_DIM_X / PLANE_DIM } else { CUBE_DIM_X };
+    let slot = if comptime!(cfg.use_plane) { PLANE_POS as usize } else { tid };
+
+    let mut m0 = 0usize;
+    while m0 < m_total {
+        let mut acc = Array::<f32>::new(tile);
+        #[unroll]
+        for i in 0..tile {
+            acc[i] = 0.0;
+        }
+        let mut kv = tid;
+        while kv < k_vecs {
+            let g = if comptime!(cfg.has_norm) {
+                Vector::<f32, NV>::cast_from(gamma[kv])
+            } else {
+                Vector::<f32, NV>::new(1.0)
+            };
+            #[unroll]
+            for r in 0..cfg.rows {
+                let n = select(n0 + r < n_total, n0 + r, n_total - 1);
+                let wv = Vector::<f32, NV>::cast_from(w[n * w_pitch + kv]);
+                #[unroll]
+                for mi in 0..cfg.m_tile {
+                    let m = select(m0 + mi < m_total, m0 + mi, m_total - 1);
+                    let xv = Vector::<f32, NV>::cast_from(x[m * x_pitch + kv]) * g;
+                    let mut s = 0.0f32;
+                    #[unroll]
+                    for e in 0..nv {
+                        s += xv.extract(e) * wv.extract(e);
+                    }
+                    acc[mi * cfg.rows + r] += s;
+                }
+            }
+            kv += CUBE_DIM_X as usize;
+        }
+        #[unroll]
+        for i in 0..tile {
+            if comptime!(cfg.use_plane) {
+                let s = plane_sum(acc[i]);
+                if UNIT_POS_PLANE == 0 {
+                    scratch[i * cfg.cube_dim + slot] = s;
+                }
+            } else {
+                scratch[i * cfg.cube_dim + slot] = acc[i];
+            }
+        }
+        sync_cube();
+        let mut o = tid;
+        while o < tile {
+            let mut s = 0.0f32;
+            for p in 0..parts {
+                s += scratch[o * cfg.cube_dim + p as usize];
+            }
+            let m = m0 + o / cfg.rows;
+            let n = n0 + o % cfg.rows;
+            if m < m_total && n < n_total {
+                if comptime!(cfg.has_norm) {
+                    s *= inv_rms[m];
+                }
+                if comptime!(cfg.has_bias) {
+                    s += f32::cast_from(bias[n]);
+                }
+                let at = m * out.stride(0) + n;
+                out[at] = F::cast_from(s);
+            }
+            o += CUBE_DIM_X as usize;
+        }
+        sync_cube();
+        m0 += cfg.m_tile;
+    }
+}
+
+/// `y = (x·g·inv_rms) · Wᵀ (+ b)` by output tiles, for large `M`.
+///
+/// Grid: `(ceil(N / bn), ceil(M / bm))`; cube: `cube_dim` units. For each `bk`-wide stage of `K`
+/// the cube stages the normalised `x` tile (`[bm, bk]`, cast to `F`) and the weight tile
+/// (`[bn, bk]`, i.e. `Wᵀ` column-major) in shared memory, then either
+/// - cmma (`bm = bn = 64`): each of the 4 planes owns a 32×32 quadrant, 2×2 16×16 f32
+///   accumulators, or
+/// - FMA: each unit owns a 4×4 register tile (`bm·bn/16 = cube_dim`).
+///
+/// The accumulators go through shared memory (f32) to a bounds-checked epilogue that adds the
+/// bias and casts to `F`. Out-of-range rows, features and `K` columns are staged as zeros.
+#[cube(launch_unchecked)]
+pub fn linear_tiled<F: Float>(
+    x: &Tensor<F>,
+    inv_rms: &Tensor<f32>,
+    gamma: &Tensor<F>,
+    w: &Tensor<F>,
+    bias: &Tensor<F>,
+    out: &mut Tensor<F>,
+    #[comptime] cfg: TiledConfig,
+    #[define(F)] _dtype: ElemType,
+) {
+    let (bm, bn, bk) = (cfg.bm, cfg.bn, cfg.bk);
+    let m_total = x.shape(0);
+    let n_total = w.shape(0);
+    let k_total = w.shape(1);
+    let m0 = CUBE_POS_Y as usize * bm;
+    let n0 = CUBE_POS_X as usize * bn;
+    let tid = UNIT_POS_X as usize;
+    let (x_pitch, w_pitch) = (x.stride(0), w.stride(0));
+
+    let mut a_tile = Shared::<[F]>::new_slice(comptime!(bm * bk));
+    let mut b_tile = Shared::<[F]>::new_slice(comptime!(bn * bk));
+    let mut c_tile = Shared::<[f32]>::new_slice(comptime!(bm * bn));
+
+    let a_elems = comptime!(bm * bk);
+    let b_elems = comptime!(bn * bk);
+
+    if comptime!(cfg.use_cmma) {
+        // 4 planes in a 2×2 grid, each owning a 32×32 quadrant = 2×2 fragments (bm = bn = 64).
+        let plane = PLANE_POS as usize;
+        let pm = (plane / 2) * 32;
+        let pn = (plane % 2) * 32;
+        let c00 = cmma::Matrix::<f32>::from_value(cmma::MatrixIdent::Accumulator, 16usize, 16usize, 16usize, cmma::MatrixLayout::Undefined, 0.0);
+        let c01 = cmma::Matrix::<f32>::from_value(cmma::MatrixIdent::Accumulator, 16usize, 16usize, 16usize, cmma::MatrixLayout::Undefined, 0.0);
+        let c10 = cmma::Matrix::<f32>::from_value(cmma::MatrixIdent::Accumulator, 16usize, 16usize, 16usize, cmma::MatrixLayout::Undefined, 0.0);
+        let c11 = cmma::Matrix::<f32>::from_value(cmma::MatrixIdent::Accumulator, 16usize, 16usize, 16usize, cmma::MatrixLayout::Undefined, 0.0);
+        let mut k0 = 0usize;
+        while k0 < k_total {
+            stage_tiles::<F>(x, inv_rms, gamma, w, &mut a_tile, &mut b_tile, m0, n0, k0, x_pitch, w_pitch, cfg);
+            sync_cube();
+            #[unroll]
+            for kk in 0..comptime!(bk / 16) {
+                let a0 = cmma::Matrix::<F>::from_slice(cmma::MatrixIdent::A, 16usize, 16usize, 16usize, cmma::MatrixLayout::RowMajor, &a_tile[pm * bk + kk * 16..a_elems], bk as u32);
+                let a1 = cmma::Matrix::<F>::from_slice(cmma::MatrixIdent::A, 16usize, 16usize, 16usize, cmma::MatrixLayout::RowMajor, &a_tile[(pm + 16) * bk + kk * 16..a_elems], bk as u32);
+                let b0 = cmma::Matrix::<F>::from_slice(cmma::MatrixIdent::B, 16usize, 16usize, 16usize, cmma::MatrixLayout::ColMajor, &b_tile[pn * bk + kk * 16..b_elems], bk as u32);
+                let b1 = cmma::Matrix::<F>::from_slice(cmma::MatrixIdent::B, 16usize, 16usize, 16usize, cmma::MatrixLayout::ColMajor, &b_tile[(pn + 16) * bk + kk * 16..b_elems], bk as u32);
+                cmma::execute(&a0, &b0, &c00, &c00);
+                cmma::execute(&a0, &b1, &c01, &c01);
+                cmma::execute(&a1, &b0, &c10, &c10);
+                cmma::execute(&a1, &b1, &c11, &c11);
+            }
+            sync_cube();
+            k0 += bk;
+        }
+        let c_elems = comptime!(bm * bn);
+        cmma::store(&mut c_tile[pm * bn + pn..c_elems], &c00, bn as u32, cmma::MatrixLayout::RowMajor);
+        cmma::store(&mut c_tile[pm * bn + pn + 16..c_elems], &c01, bn as u32, cmma::MatrixLayout::RowMajor);
+        cmma::store(&mut c_tile[(pm + 16) * bn + pn..c_elems], &c10, bn as u32, cmma::MatrixLayout::RowMajor);
+        cmma::store(&mut c_tile[(pm + 16) * bn + pn + 16..c_elems], &c11, bn as u32, cmma::MatrixLayout::RowMajor);
+    } else {
+        // FMA: unit `tid` owns rows `tm..tm+4`, features `tn..tn+4` of the tile.
+        let cols = comptime!(bn / 4);
+        let tm = (tid / cols) * 4;
+        let tn = (tid % cols) * 4;
+        let mut acc = Array::<f32>::new(16usize);
+        #[unroll]
+        for i in 0..16 {
+            acc[i] = 0.0;
+        }
+        let mut k0 = 0usize;
+        while k0 < k_total {
+            stage_tiles::<F>(x, inv_rms, gamma, w, &mut a_tile, &mut b_tile, m0, n0, k0, x_pitch, w_pitch, cfg);
+            sync_cube();
+            for kk in 0..bk {
+                let mut a = Array::<f32>::new(4usize);
+                let mut b = Array::<f32>::new(4usize);
+                #[unroll]
+                for i in 0..4 {
+                    a[i] = f32::cast_from(a_tile[(tm + i) * bk + kk]);
+                    b[i] = f32::cast_from(b_tile[(tn + i) * bk + kk]);
+                }
+                #[unroll]
+                for i in 0..4 {
+                    #[unroll]
+                    for j in 0..4 {
+                        acc[i * 4 + j] += a[i] * b[j];
+                    }
+                }
+            }
+            sync_cube();
+            k0 += bk;
+        }
+        #[unroll]
+        for i in 0..4 {
+            #[unroll]
+            for j in 0..4 {
+                c_tile[(tm + i) * bn + tn + j] = acc[i * 4 + j];
+            }
+        }
+    }
+    sync_cube();
+
+    // Epilogue: row scale, bias, cast, bounds.
+    let mut e = tid;
+    while e < comptime!(bm * bn) {
+        let m = m0 + e / bn;
+        let n = n0 + e % bn;
+        if m < m_total && n < n_total {
+            let mut v = c_tile[e];
+            if comptime!(cfg.has_bias) {
+                v += f32::cast_from(bias[n]);
+            }
+            let at = m * out.stride(0) + n;
+            out[at] = F::cast_from(v);
+        }
+        e += CUBE_DIM_X as usize;
+    }
+}
+
+/// Stages `a_tile[r][c] = x[m0 + r, k0 + c] · g[k0 + c] · inv_rms[m0 + r]` (cast to `F`) and
+/// `b_tile[r][c] = W[n0 + r, k0 + c]`, zero outside the matrices.
+#[cube]
+#[allow(clippy::too_many_arguments)]
+fn stage_tiles<F: Float>(
+    x: &Tensor<F>,
+    inv_rms: &Tensor<f32>,
+    gamma: &Tensor<F>,
+    w: &Tensor<F>,
+    a_tile: &mut Shared<[F]>,
+    b_tile: &mut Shared<[F]>,
+    m0: usize,
+    n0: usize,
+    k0: usize,
+    x_pitch: usize,
+    w_pitch: usize,
+    #[comptime] cfg: TiledConfig,
+) {
+    let m_total = x.shape(0);
+    let n_total = w.shape(0);
+    let k_total = w.shape(1);
+    let mut e = UNIT_POS_X as usize;
+    while e < comptime!(cfg.bm * cfg.bk) {
+        let r = e / cfg.bk;
+        let c = e % cfg.bk;
+        let (m, k) = (m0 + r, k0 + c);
+        let mut v = F::new(0.0);
+        if m < m_total && k < k_total {
+            if comptime!(cfg.has_norm) {
+                v = F::cast_from(f32::cast_from(x[m * x_pitch + k]) * inv_rms[m] * f32::cast_from(gamma[k]));
+            } else {
+                v = x[m * x_pitch + k];
+            }
+        }
+        a_tile[e] = v;
+        e += CUBE_DIM_X as usize;
+    }
+    let mut e = UNIT_POS_X as usize;
+    while e < comptime!(cfg.bn * cfg.bk) {
+        let r = e / cfg.bk;
+        let c = e % cfg.bk;
+        let (n, k) = (n0 + r, k0 + c);
+        let mut v = F::new(0.0);
+        if n < n_total && k < k_total {
+            v = w[n * w_pitch + k];
+        }
+        b_tile[e] = v;
+        e += CUBE_DIM_X as usize;
+    }
+}

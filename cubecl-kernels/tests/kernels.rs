@@ -1,0 +1,7 @@
+//! CubeCL kernels against their plain-Burn references, on the CubeCL CPU runtime (no plane ops,
+//! no tensor cores: the shared-memory paths). One test binary for link time.
+
+mod kernels {
+    pub mod common;
+    mod linear;
+}

@@ -1,0 +1,122 @@
+//! Fused RMSNorm + linear, its residual variant and the plain linear op.
+
+use burn::tensor::DType;
+use cubecl_kernels::rms_norm_linear::reference;
+
+use super::common::*;
+
+/// Awkward shapes: M = 1, 3 (skinny kernel), 257 (tiled, ragged last tile); K not a multiple
+/// of any tile or vector; N = 1 and ragged.
+const SHAPES: [(usize, usize, usize); 6] = [(1, 96, 1), (1, 100, 67), (3, 37, 130), (3, 128, 5), (257, 72, 67), (40, 24, 33)];
+
+struct Case {
+    m: usize,
+    k: usize,
+    n: usize,
+    dtype: DType,
+    x: Vec<f32>,
+    r: Vec<f32>,
+    g: Vec<f32>,
+    w: Vec<f32>,
+    b: Vec<f32>,
+}
+
+impl Case {
+    fn new(rng: &mut rand::rngs::StdRng, (m, k, n): (usize, usize, usize), dtype: DType) -> Self {
+        Self {
+            m,
+            k,
+            n,
+            dtype,
+            x: random(rng, m * k, 2.0, dtype),
+            r: random(rng, m * k, 1.0, dtype),
+            g: random(rng, k, 1.0, dtype).iter().map(|v| v + 1.5).collect(),
+            w: random(rng, n * k, 1.0 / (k as f32).sqrt(), dtype),
+            b: random(rng, n, 0.5, dtype),
+        }
+    }
+}
+
+/// Runs `op` on the kernel device and on the reference device with the same inputs.
+fn check(name: &str, c: &Case, bias: bool) {
+    let (kd, rd) = (kernel_device(), reference_device());
+    let dt = c.dtype;
+    let what = format!("{name} {:?} M={} K={} N={} bias={bias}", dt, c.m, c.k, c.n);
+    let eps = 1e-6;
+    let run = |dev: &burn::tensor::Device, dtype: DType, kernel: bool| -> (Vec<f32>, Option<Vec<f32>>) {
+        let x = tensor(&c.x, [c.m, c.k], dtype, dev);
+        let r = tensor(&c.r, [c.m, c.k], dtype, dev);
+        let g = tensor(&c.g, [c.k], dtype, dev);
+        let w = tensor(&c.w, [c.n, c.k], dtype, dev);
+        let b = bias.then(|| tensor(&c.b, [c.n], dtype, dev));
+        if kernel {
+            poison_pool(dev, 4 * c.m * c.n.max(c.k) + 4096);
+        }
+        match (name, kernel) {
+            ("linear", true) => (host(cubecl_kernels::linear(x, w, b)), None),
+            ("linear", false) => (host(reference::linear(x, w, b)), None),
+            ("rms_norm_linear", true) => (host(cubecl_kernels::rms_norm_linear(x, g, w, b, eps)), None),
+            ("rms_norm_linear", false) => (host(reference::rms_norm_linear(x, g, w, b, eps)), None),
+            ("add_rms_norm_linear", true) => {
+                let (y, h) = cubecl_kernels::add_rms_norm_linear(x, r, g, w, b, eps);
+                (host(y), Some(host(h)))
+            }
+            ("add_rms_norm_linear", false) => {
+                let (y, h) = reference::add_rms_norm_linear(x, r, g, w, b, eps);
+                (host(y), Some(host(h)))
+            }
+            _ => unreachable!(),
+        }
+    };
+    eprintln!("{what}");
+    let (y, h) = run(&kd, dt, true);
+    // The reference computes in f32 from the same (rounded) inputs.
+    let (y_ref, h_ref) = run(&rd, DType::F32, false);
+    assert_rel(&format!("{what}: y"), &y, &y_ref, tolerance(dt));
+    if let (Some(h), Some(h_ref)) = (h, h_ref) {
+        assert_rel(&format!("{what}: h"), &h, &h_ref, tolerance(dt));
+    }
+}
+
+#[test]
+fn fused_ops_match_reference_f32() {
+    let mut rng = rng("fused_ops_match_reference_f32");
+    for (i, &shape) in SHAPES.iter().enumerate() {
+        let c = Case::new(&mut rng, shape, DType::F32);
+        check("rms_norm_linear", &c, i % 2 == 0);
+        check("add_rms_norm_linear", &c, i % 2 == 1);
+        check("linear", &c, i % 3 == 0);
+    }
+}
+
+#[test]
+fn fused_ops_match_reference_half_precision() {
+    let mut rng = rng("fused_ops_match_reference_half_precision");
+    for (i, &shape) in SHAPES.iter().enumerate() {
+        let dtype = if i % 2 == 0 { DType::BF16 } else { DType::F16 };
+        let c = Case::new(&mut rng, shape, dtype);
+        check("add_rms_norm_linear", &c, true);
+        check("linear", &c, false);
+    }
+}
+
+#[test]
+fn invalid_arguments_are_refused_with_the_operand_named() {
+    let dev = kernel_device();
+    let x = tensor(&[1.0; 8], [2, 4], DType::F32, &dev);
+    let w = tensor(&[1.0; 15], [3, 5], DType::F32, &dev);
+    let g = tensor(&[1.0; 4], [4], DType::F32, &dev);
+    let err = cubecl_kernels::check_args(&x, None, Some(&g), &w, None).unwrap_err().to_string();
+    assert!(err.contains("weight has shape [3, 5]"), "{err}");
+    let w = tensor(&[1.0; 12], [3, 4], DType::BF16, &dev);
+    let err = cubecl_kernels::check_args(&x, None, Some(&g), &w, None).unwrap_err().to_string();
+    assert!(err.contains("weight has dtype BF16"), "{err}");
+    let w = tensor(&[1.0; 12], [3, 4], DType::F32, &dev);
+    let b = tensor(&[1.0; 4], [4], DType::F32, &dev);
+    let err = cubecl_kernels::check_args(&x, None, Some(&g), &w, Some(&b)).unwrap_err().to_string();
+    assert!(err.contains("bias has shape [4]"), "{err}");
+    let panic = std::panic::catch_unwind(|| cubecl_kernels::linear(x.clone(), w.clone(), Some(b.clone()))).unwrap_err();
+    let msg = panic.downcast_ref::<String>().unwrap();
+    assert!(msg.starts_with("linear: bias has shape [4]"), "{msg}");
+}
+
