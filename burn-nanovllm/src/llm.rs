@@ -4,7 +4,9 @@ use std::path::{Path, PathBuf};
 
 use burn::tensor::{DType, Device};
 use cubecl_kernels::DeviceKind;
-use model_qwen2::{AttentionMetadata, ChatMessage, KvCache, LogitsRows, Qwen2Model, Qwen2Tokenizer};
+use model_qwen2::{
+    AttentionMetadata, ChatMessage, KvCache, LogitsRows, Qwen2Model, Qwen2Tokenizer,
+};
 
 use crate::error::{LlmError, Result};
 use crate::sampling::{Sampler, SamplingParams};
@@ -24,7 +26,12 @@ pub struct LlmOptions {
 
 impl Default for LlmOptions {
     fn default() -> Self {
-        Self { device: DeviceKind::Cpu, dtype: None, block_size: 16, max_model_len: None }
+        Self {
+            device: DeviceKind::Cpu,
+            dtype: None,
+            block_size: 16,
+            max_model_len: None,
+        }
     }
 }
 
@@ -90,8 +97,17 @@ impl LLM {
 
     /// Wraps an already built model (e.g. [`Qwen2Model::dummy`]); `dir` is searched for the
     /// tokenizer and `generation_config.json`.
-    pub fn with_model(model: Qwen2Model, dir: &Path, device: Device, options: LlmOptions) -> Result<Self> {
-        let tokenizer = if dir.join("tokenizer.json").exists() { Some(Qwen2Tokenizer::from_dir(dir)?) } else { None };
+    pub fn with_model(
+        model: Qwen2Model,
+        dir: &Path,
+        device: Device,
+        options: LlmOptions,
+    ) -> Result<Self> {
+        let tokenizer = if dir.join("tokenizer.json").exists() {
+            Some(Qwen2Tokenizer::from_dir(dir)?)
+        } else {
+            None
+        };
         let mut eos_ids = model.config.eos_token_ids.clone();
         for id in generation_eos_ids(&dir.join("generation_config.json"))? {
             if !eos_ids.contains(&id) {
@@ -108,7 +124,14 @@ impl LLM {
         if options.block_size == 0 {
             return Err(LlmError::Invalid("block_size must be positive".into()));
         }
-        Ok(Self { model, tokenizer, device, eos_ids, block_size: options.block_size, max_model_len })
+        Ok(Self {
+            model,
+            tokenizer,
+            device,
+            eos_ids,
+            block_size: options.block_size,
+            max_model_len,
+        })
     }
 
     /// The model.
@@ -129,19 +152,29 @@ impl LLM {
     /// Renders a single user message through the chat template, ready to generate from.
     pub fn chat_prompt(&self, user: &str) -> Result<Prompt> {
         let tok = self.tokenizer.as_ref().ok_or(LlmError::NoTokenizer)?;
-        Ok(Prompt::Text(tok.apply_chat_template(&[ChatMessage::new("user", user)], true)?))
+        Ok(Prompt::Text(tok.apply_chat_template(
+            &[ChatMessage::new("user", user)],
+            true,
+        )?))
     }
 
     /// Generates a completion for every prompt (one batch: prefill together, then decode the
     /// unfinished sequences together).
     pub fn generate(&self, prompts: &[Prompt], params: &SamplingParams) -> Result<Vec<Completion>> {
-        let prompt_ids = prompts.iter().map(|p| self.tokenize(p)).collect::<Result<Vec<_>>>()?;
+        let prompt_ids = prompts
+            .iter()
+            .map(|p| self.tokenize(p))
+            .collect::<Result<Vec<_>>>()?;
         for (i, ids) in prompt_ids.iter().enumerate() {
             if ids.is_empty() {
                 return Err(LlmError::Invalid(format!("prompt {i} is empty")));
             }
             if ids.len() >= self.max_model_len {
-                return Err(LlmError::PromptTooLong { index: i, len: ids.len(), max_model_len: self.max_model_len });
+                return Err(LlmError::PromptTooLong {
+                    index: i,
+                    len: ids.len(),
+                    max_model_len: self.max_model_len,
+                });
             }
         }
         if prompt_ids.is_empty() {
@@ -156,26 +189,48 @@ impl LLM {
                 let n = budget(ids.len()).div_ceil(bs) as u32;
                 let table = (next_block..next_block + n).collect();
                 next_block += n;
-                Running { prompt_len: ids.len(), tokens: ids, table, cached: 0, finish: None }
+                Running {
+                    prompt_len: ids.len(),
+                    tokens: ids,
+                    table,
+                    cached: 0,
+                    finish: None,
+                }
             })
             .collect();
-        let mut cache = KvCache::new(&self.model.config, next_block as usize, bs, self.model.dtype(), &self.device)?;
+        let mut cache = KvCache::new(
+            &self.model.config,
+            next_block as usize,
+            bs,
+            self.model.dtype(),
+            &self.device,
+        )?;
         let mut sampler = Sampler::new(params.seed);
         loop {
-            let active: Vec<usize> = (0..seqs.len()).filter(|&i| seqs[i].finish.is_none()).collect();
+            let active: Vec<usize> = (0..seqs.len())
+                .filter(|&i| seqs[i].finish.is_none())
+                .collect();
             if active.is_empty() || params.max_tokens == 0 {
                 break;
             }
-            let ids: Vec<u32> = active.iter().flat_map(|&i| seqs[i].tokens[seqs[i].cached..].to_vec()).collect();
+            let ids: Vec<u32> = active
+                .iter()
+                .flat_map(|&i| seqs[i].tokens[seqs[i].cached..].to_vec())
+                .collect();
             let meta = AttentionMetadata::new(
-                active.iter().map(|&i| seqs[i].tokens.len() - seqs[i].cached).collect(),
+                active
+                    .iter()
+                    .map(|&i| seqs[i].tokens.len() - seqs[i].cached)
+                    .collect(),
                 active.iter().map(|&i| seqs[i].tokens.len()).collect(),
                 active.iter().map(|&i| seqs[i].table.clone()).collect(),
                 bs,
                 &self.device,
             )?;
             let input = self.model.input_ids(&ids, &self.device)?;
-            let logits = self.model.forward(input, &meta, &mut cache, LogitsRows::LastPerSequence);
+            let logits = self
+                .model
+                .forward(input, &meta, &mut cache, LogitsRows::LastPerSequence);
             let next = sampler.sample(logits, params.temperature);
             for (&i, token) in active.iter().zip(next) {
                 let s = &mut seqs[i];
@@ -209,7 +264,11 @@ impl LLM {
     fn tokenize(&self, prompt: &Prompt) -> Result<Vec<u32>> {
         match prompt {
             Prompt::Tokens(ids) => Ok(ids.clone()),
-            Prompt::Text(text) => Ok(self.tokenizer.as_ref().ok_or(LlmError::NoTokenizer)?.encode(text)?),
+            Prompt::Text(text) => Ok(self
+                .tokenizer
+                .as_ref()
+                .ok_or(LlmError::NoTokenizer)?
+                .encode(text)?),
         }
     }
 }
@@ -227,12 +286,17 @@ fn generation_eos_ids(path: &PathBuf) -> Result<Vec<u32>> {
     if !path.exists() {
         return Ok(Vec::new());
     }
-    let text = std::fs::read_to_string(path).map_err(|e| LlmError::Invalid(format!("{}: {e}", path.display())))?;
-    let json: serde_json::Value =
-        serde_json::from_str(&text).map_err(|e| LlmError::Invalid(format!("{}: {e}", path.display())))?;
+    let text = std::fs::read_to_string(path)
+        .map_err(|e| LlmError::Invalid(format!("{}: {e}", path.display())))?;
+    let json: serde_json::Value = serde_json::from_str(&text)
+        .map_err(|e| LlmError::Invalid(format!("{}: {e}", path.display())))?;
     Ok(match &json["eos_token_id"] {
         serde_json::Value::Number(n) => n.as_u64().map(|v| vec![v as u32]).unwrap_or_default(),
-        serde_json::Value::Array(a) => a.iter().filter_map(|v| v.as_u64()).map(|v| v as u32).collect(),
+        serde_json::Value::Array(a) => a
+            .iter()
+            .filter_map(|v| v.as_u64())
+            .map(|v| v as u32)
+            .collect(),
         _ => Vec::new(),
     })
 }

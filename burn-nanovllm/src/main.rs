@@ -10,7 +10,11 @@ use clap::{Args, Parser, Subcommand};
 use model_qwen2::{AttentionMetadata, KvCache, LogitsRows};
 
 #[derive(Parser)]
-#[command(name = "burn-nanovllm", version, about = "Qwen2-family LLM inference on Burn + CubeCL")]
+#[command(
+    name = "burn-nanovllm",
+    version,
+    about = "Qwen2-family LLM inference on Burn + CubeCL"
+)]
 struct Cli {
     #[command(subcommand)]
     command: Command,
@@ -94,16 +98,31 @@ fn main() -> Result<()> {
 }
 
 fn load(args: &ModelArgs) -> Result<LLM> {
-    let options = LlmOptions { device: args.device, dtype: args.dtype, ..LlmOptions::default() };
+    let options = LlmOptions {
+        device: args.device,
+        dtype: args.dtype,
+        ..LlmOptions::default()
+    };
     let start = Instant::now();
-    let llm = LLM::new(&args.model, options).with_context(|| format!("loading {}", args.model.display()))?;
-    eprintln!("loaded {} in {:.2?} on {:?} ({:?})", args.model.display(), start.elapsed(), args.device, llm.model().dtype());
+    let llm = LLM::new(&args.model, options)
+        .with_context(|| format!("loading {}", args.model.display()))?;
+    eprintln!(
+        "loaded {} in {:.2?} on {:?} ({:?})",
+        args.model.display(),
+        start.elapsed(),
+        args.device,
+        llm.model().dtype()
+    );
     Ok(llm)
 }
 
 fn generate(args: GenerateArgs) -> Result<()> {
     let llm = load(&args.model)?;
-    let prompt = if args.chat { llm.chat_prompt(&args.prompt)? } else { Prompt::Text(args.prompt.clone()) };
+    let prompt = if args.chat {
+        llm.chat_prompt(&args.prompt)?
+    } else {
+        Prompt::Text(args.prompt.clone())
+    };
     let params = SamplingParams {
         temperature: args.temperature,
         max_tokens: args.max_tokens,
@@ -126,8 +145,10 @@ fn generate(args: GenerateArgs) -> Result<()> {
 
 fn logits(args: LogitsArgs) -> Result<()> {
     let llm = load(&args.model)?;
-    let text = std::fs::read_to_string(&args.ids).with_context(|| format!("reading {}", args.ids.display()))?;
-    let prompts: Vec<Vec<u32>> = serde_json::from_str(&text).context("ids file must be a JSON list of lists of ids")?;
+    let text = std::fs::read_to_string(&args.ids)
+        .with_context(|| format!("reading {}", args.ids.display()))?;
+    let prompts: Vec<Vec<u32>> =
+        serde_json::from_str(&text).context("ids file must be a JSON list of lists of ids")?;
     let model = llm.model();
     let device = llm.device();
     let mut tensors: Vec<(String, safetensors::Dtype, Vec<usize>, Vec<u8>)> = Vec::new();
@@ -139,35 +160,76 @@ fn logits(args: LogitsArgs) -> Result<()> {
         let blocks = (ids.len() + args.greedy).div_ceil(block_size);
         let table: Vec<u32> = (0..blocks as u32).collect();
         let mut cache = KvCache::new(&model.config, blocks, block_size, model.dtype(), device)?;
-        let meta = AttentionMetadata::prefill(vec![ids.len()], vec![table.clone()], block_size, device)?;
-        let logits = model.forward(model.input_ids(ids, device)?, &meta, &mut cache, LogitsRows::All);
+        let meta =
+            AttentionMetadata::prefill(vec![ids.len()], vec![table.clone()], block_size, device)?;
+        let logits = model.forward(
+            model.input_ids(ids, device)?,
+            &meta,
+            &mut cache,
+            LogitsRows::All,
+        );
         let [l, v] = logits.dims();
-        let host = logits.into_data().try_into_vec_as::<f32>().map_err(|e| anyhow::anyhow!("{e:?}"))?;
+        let host = logits
+            .into_data()
+            .try_into_vec_as::<f32>()
+            .map_err(|e| anyhow::anyhow!("{e:?}"))?;
         let mut next = argmax(&host[(l - 1) * v..]);
-        tensors.push((format!("prompt.{i}.logits"), safetensors::Dtype::F32, vec![l, v], f32_bytes(&host)));
+        tensors.push((
+            format!("prompt.{i}.logits"),
+            safetensors::Dtype::F32,
+            vec![l, v],
+            f32_bytes(&host),
+        ));
         let mut greedy = Vec::with_capacity(args.greedy);
         let mut len = ids.len();
         while greedy.len() < args.greedy {
             greedy.push(next as i64);
             len += 1;
-            let meta = AttentionMetadata::decode(vec![len], vec![table.clone()], block_size, device)?;
-            let logits = model.forward(model.input_ids(&[next], device)?, &meta, &mut cache, LogitsRows::All);
-            next = argmax(&logits.into_data().try_into_vec_as::<f32>().map_err(|e| anyhow::anyhow!("{e:?}"))?);
+            let meta =
+                AttentionMetadata::decode(vec![len], vec![table.clone()], block_size, device)?;
+            let logits = model.forward(
+                model.input_ids(&[next], device)?,
+                &meta,
+                &mut cache,
+                LogitsRows::All,
+            );
+            next = argmax(
+                &logits
+                    .into_data()
+                    .try_into_vec_as::<f32>()
+                    .map_err(|e| anyhow::anyhow!("{e:?}"))?,
+            );
         }
         let bytes = greedy.iter().flat_map(|v| v.to_le_bytes()).collect();
-        tensors.push((format!("prompt.{i}.greedy_ids"), safetensors::Dtype::I64, vec![greedy.len()], bytes));
+        tensors.push((
+            format!("prompt.{i}.greedy_ids"),
+            safetensors::Dtype::I64,
+            vec![greedy.len()],
+            bytes,
+        ));
         eprintln!("prompt {i}: {} tokens, {} greedy", ids.len(), greedy.len());
     }
     let views = tensors
         .iter()
-        .map(|(n, d, s, b)| Ok((n.clone(), safetensors::tensor::TensorView::new(*d, s.clone(), b)?)))
+        .map(|(n, d, s, b)| {
+            Ok((
+                n.clone(),
+                safetensors::tensor::TensorView::new(*d, s.clone(), b)?,
+            ))
+        })
         .collect::<Result<Vec<_>>>()?;
     safetensors::serialize_to_file(views, None, &args.out)?;
     Ok(())
 }
 
 fn argmax(row: &[f32]) -> u32 {
-    row.iter().enumerate().fold((0, f32::NEG_INFINITY), |b, (i, &v)| if v > b.1 { (i, v) } else { b }).0 as u32
+    row.iter()
+        .enumerate()
+        .fold(
+            (0, f32::NEG_INFINITY),
+            |b, (i, &v)| if v > b.1 { (i, v) } else { b },
+        )
+        .0 as u32
 }
 
 fn f32_bytes(v: &[f32]) -> Vec<u8> {

@@ -29,7 +29,11 @@ impl std::str::FromStr for DeviceKind {
                 .strip_prefix("cuda:")
                 .and_then(|i| i.parse().ok())
                 .map(Self::Cuda)
-                .ok_or_else(|| KernelError::invalid(format!("unknown device `{s}` (expected cpu, cubecl-cpu, cuda or cuda:N)"))),
+                .ok_or_else(|| {
+                    KernelError::invalid(format!(
+                        "unknown device `{s}` (expected cpu, cubecl-cpu, cuda or cuda:N)"
+                    ))
+                }),
         }
     }
 }
@@ -50,11 +54,17 @@ impl DeviceKind {
                 Ok(Device::cuda(i))
             }
             #[allow(unreachable_patterns)]
-            other => Err(KernelError::invalid(format!("{other:?}: this build lacks the runtime (cargo feature)"))),
+            other => Err(KernelError::invalid(format!(
+                "{other:?}: this build lacks the runtime (cargo feature)"
+            ))),
         }
     }
 }
 
-fn probe(device: Result<cubecl::Device, cubecl::device::DeviceUnavailable>) -> Result<(), KernelError> {
-    device.map(|_| ()).map_err(|e| KernelError::invalid(format!("device unavailable: {e}")))
+fn probe(
+    device: Result<cubecl::Device, cubecl::device::DeviceUnavailable>,
+) -> Result<(), KernelError> {
+    device
+        .map(|_| ())
+        .map_err(|e| KernelError::invalid(format!("device unavailable: {e}")))
 }

@@ -19,6 +19,8 @@ pub(crate) struct DeviceCaps {
     /// without planes (cubecl-cpu runs each unit of a synchronising cube on its own OS thread
     /// with a spin barrier) a cube no wider than the host's cores.
     pub cube_units: usize,
+    /// Cubes that run at once, roughly: streaming multiprocessors, or CPU cores.
+    pub multiprocessors: usize,
 }
 
 impl DeviceCaps {
@@ -26,14 +28,29 @@ impl DeviceCaps {
     pub(crate) fn of(client: &Client) -> Self {
         let props = client.properties();
         let plane_ops = props.features.plane.contains(Plane::Ops);
-        let plane_size = if plane_ops { props.hardware.plane_size_max as usize } else { 1 };
+        let plane_size = if plane_ops {
+            props.hardware.plane_size_max as usize
+        } else {
+            1
+        };
         let cube_units = if plane_ops {
             4 * plane_size
         } else {
             let cores = props.hardware.num_cpu_cores.unwrap_or(1) as usize;
             if cores >= 2 { 2 } else { 1 }
         };
-        Self { plane_ops, plane_size, cmma: props.features.matmul.cmma.iter().copied().collect(), cube_units }
+        let multiprocessors = props
+            .hardware
+            .num_streaming_multiprocessors
+            .or(props.hardware.num_cpu_cores)
+            .unwrap_or(1) as usize;
+        Self {
+            plane_ops,
+            plane_size,
+            cmma: props.features.matmul.cmma.iter().copied().collect(),
+            cube_units,
+            multiprocessors,
+        }
     }
 
     /// True if 16×16×16 cmma with `dtype` inputs and f32 accumulators is available.

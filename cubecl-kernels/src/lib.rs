@@ -9,6 +9,7 @@
 //! | [`add_rms_norm_linear`] | as above plus `residual [M, K]`; also returns `h = x + residual` |
 //! | [`linear`] | `x [M, K]`, `W [N, K]`, `b [N]` → `[M, N]` |
 //! | [`store_kv`] | `k, v [T, kv_heads, d]` into the paged cache at `slot_mapping` |
+//! | [`rope_store_kv`] | `qkv [T, (heads + 2·kv_heads)·d]`: q/k norm + RoPE, k/v into the cache → `q [T, heads, d]` |
 //! | [`paged_attention`] | `q [T, heads, d]` over each sequence's cached context → `[T, heads, d]` |
 
 pub mod attention;
@@ -18,7 +19,9 @@ mod error;
 pub mod ops;
 pub mod rms_norm_linear;
 
-pub use attention::{AttentionMetadata, LayerKvCache};
+pub use attention::{
+    AttentionMetadata, LayerKvCache, QkNorm, Rope, paged_attention, rope_store_kv, store_kv,
+};
 pub use device::DeviceKind;
 pub use error::KernelError;
 pub use rms_norm_linear::{add_rms_norm_linear, check_args, linear, rms_norm, rms_norm_linear};
@@ -34,24 +37,4 @@ pub(crate) fn runs_kernels<const D: usize>(t: &Tensor<D>) -> bool {
         DispatchDevice::Cube(_) => true,
         _ => false,
     }
-}
-
-/// Writes the new tokens' keys and values into the paged cache (`meta.slot_mapping`, −1 = skip).
-///
-/// `k`, `v`: `[num_tokens, num_kv_heads, head_dim]`, in the cache's dtype.
-pub fn store_kv(cache: &mut LayerKvCache, k: Tensor<3>, v: Tensor<3>, meta: &AttentionMetadata) {
-    attention::reference::store_kv(cache, k, v, meta)
-}
-
-/// Causal attention of each sequence's new tokens over its cached context (the new keys
-/// included: call [`store_kv`] first), with grouped-query heads and softmax scale `scale`.
-///
-/// `q`: `[num_tokens, num_heads, head_dim]` → `[num_tokens, num_heads, head_dim]`.
-pub fn paged_attention(
-    q: Tensor<3>,
-    cache: &LayerKvCache,
-    meta: &AttentionMetadata,
-    scale: f32,
-) -> Tensor<3> {
-    attention::reference::paged_attention(q, cache, meta, scale)
 }

@@ -1,12 +1,31 @@
 //! The custom Burn backend ops: one extension trait, implemented for CubeCL backends (the
 //! `Fusion` wrapper is generated: each op is an opaque deferred operation on the fusion stream).
 
+use std::sync::Arc;
+
 use burn::backend::fusion::custom::TensorSpec;
-use burn::backend::{Backend, backend_extension, tensor::FloatTensor};
+use burn::backend::{
+    Backend, backend_extension,
+    tensor::{FloatTensor, IntTensor},
+};
 use burn::tensor::Shape;
 use burn_cubecl::CubeBackend;
 
+use crate::attention::{QkvLayout, decode, prefill, store_kv};
 use crate::rms_norm_linear::launch as linear_launch;
+
+/// Host-side facts the attention kernels are launched from (from [`crate::AttentionMetadata`]).
+#[derive(Clone, Debug)]
+pub struct AttentionPlan {
+    /// New tokens per sequence.
+    pub query_lens: Arc<Vec<usize>>,
+    /// Longest context in the batch.
+    pub max_context: usize,
+    /// One new token per sequence: use the decode kernel.
+    pub decode: bool,
+    /// Softmax scale.
+    pub scale: f32,
+}
 
 /// Our fused ops as a Burn backend extension. Call them through the functions of this crate
 /// (which check arguments and fall back to plain Burn off CubeCL devices), not directly.
@@ -25,6 +44,73 @@ pub trait KernelOps: Backend {
         eps: f32,
         operands: u32,
     ) -> (FloatTensor<Self>, FloatTensor<Self>);
+
+    #[allow(clippy::too_many_arguments)]
+    /// Norm + RoPE of q and k, and the KV write (see `attention::store_kv`): returns
+    /// `(q_out [T, heads·D], k_cache, v_cache)`, the caches written in place.
+    #[fusion(meta = rope_store_kv_meta)]
+    fn rope_store_kv(
+        q: FloatTensor<Self>,
+        k: FloatTensor<Self>,
+        v: FloatTensor<Self>,
+        q_norm: FloatTensor<Self>,
+        k_norm: FloatTensor<Self>,
+        cos: FloatTensor<Self>,
+        sin: FloatTensor<Self>,
+        positions: IntTensor<Self>,
+        slots: IntTensor<Self>,
+        k_cache: FloatTensor<Self>,
+        v_cache: FloatTensor<Self>,
+        layout: QkvLayout,
+        eps: f32,
+    ) -> (FloatTensor<Self>, FloatTensor<Self>, FloatTensor<Self>);
+
+    /// Paged attention of `q [T, heads, D]` over the caches → `[T, heads, D]`.
+    #[fusion(meta = paged_attention_meta)]
+    fn paged_attention(
+        q: FloatTensor<Self>,
+        k_cache: FloatTensor<Self>,
+        v_cache: FloatTensor<Self>,
+        block_tables: IntTensor<Self>,
+        context_lens: IntTensor<Self>,
+        cu_seqlens_q: IntTensor<Self>,
+        plan: AttentionPlan,
+    ) -> FloatTensor<Self>;
+}
+
+#[allow(clippy::too_many_arguments)]
+fn rope_store_kv_meta(
+    _q: &TensorSpec,
+    _k: &TensorSpec,
+    _v: &TensorSpec,
+    _q_norm: &TensorSpec,
+    _k_norm: &TensorSpec,
+    _cos: &TensorSpec,
+    _sin: &TensorSpec,
+    _positions: &TensorSpec,
+    slots: &TensorSpec,
+    k_cache: &TensorSpec,
+    v_cache: &TensorSpec,
+    layout: &QkvLayout,
+    _eps: &f32,
+) -> (TensorSpec, TensorSpec, TensorSpec) {
+    let q_out = TensorSpec::new(
+        Shape::new([slots.shape[0], layout.heads * layout.head_dim]),
+        k_cache.dtype,
+    );
+    (q_out, k_cache.clone(), v_cache.clone())
+}
+
+fn paged_attention_meta(
+    q: &TensorSpec,
+    _k_cache: &TensorSpec,
+    _v_cache: &TensorSpec,
+    _block_tables: &TensorSpec,
+    _context_lens: &TensorSpec,
+    _cu_seqlens_q: &TensorSpec,
+    _plan: &AttentionPlan,
+) -> TensorSpec {
+    q.clone()
 }
 
 /// Which optional operands of [`KernelOps::fused_linear`] are present.
@@ -71,5 +157,58 @@ impl KernelOps for CubeBackend {
             has(LinearOperands::BIAS).then_some(bias),
             eps,
         )
+    }
+
+    fn rope_store_kv(
+        q: FloatTensor<Self>,
+        k: FloatTensor<Self>,
+        v: FloatTensor<Self>,
+        q_norm: FloatTensor<Self>,
+        k_norm: FloatTensor<Self>,
+        cos: FloatTensor<Self>,
+        sin: FloatTensor<Self>,
+        positions: IntTensor<Self>,
+        slots: IntTensor<Self>,
+        k_cache: FloatTensor<Self>,
+        v_cache: FloatTensor<Self>,
+        layout: QkvLayout,
+        eps: f32,
+    ) -> (FloatTensor<Self>, FloatTensor<Self>, FloatTensor<Self>) {
+        store_kv::rope_store_kv(
+            q, k, v, q_norm, k_norm, cos, sin, positions, slots, k_cache, v_cache, layout, eps,
+        )
+    }
+
+    fn paged_attention(
+        q: FloatTensor<Self>,
+        k_cache: FloatTensor<Self>,
+        v_cache: FloatTensor<Self>,
+        block_tables: IntTensor<Self>,
+        context_lens: IntTensor<Self>,
+        cu_seqlens_q: IntTensor<Self>,
+        plan: AttentionPlan,
+    ) -> FloatTensor<Self> {
+        if plan.decode {
+            decode::paged_decode(
+                q,
+                k_cache,
+                v_cache,
+                block_tables,
+                context_lens,
+                plan.max_context,
+                plan.scale,
+            )
+        } else {
+            prefill::paged_prefill(
+                q,
+                k_cache,
+                v_cache,
+                block_tables,
+                context_lens,
+                cu_seqlens_q,
+                plan.query_lens,
+                plan.scale,
+            )
+        }
     }
 }

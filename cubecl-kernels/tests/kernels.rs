@@ -2,6 +2,7 @@
 //! no tensor cores: the shared-memory paths). One test binary for link time.
 
 mod kernels {
+    mod attention;
     pub mod common;
     mod linear;
 }

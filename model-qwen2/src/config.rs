@@ -104,11 +104,17 @@ impl Qwen2Config {
             if source.kind() == std::io::ErrorKind::NotFound {
                 ModelError::MissingFile(path.to_path_buf())
             } else {
-                ModelError::Io { path: path.to_path_buf(), source }
+                ModelError::Io {
+                    path: path.to_path_buf(),
+                    source,
+                }
             }
         })?;
         Self::from_json(&text).map_err(|e| match e {
-            ModelError::Parse { message, .. } => ModelError::Parse { path: path.to_path_buf(), message },
+            ModelError::Parse { message, .. } => ModelError::Parse {
+                path: path.to_path_buf(),
+                message,
+            },
             other => other,
         })
     }
@@ -123,7 +129,13 @@ impl Qwen2Config {
             .architectures
             .as_ref()
             .and_then(|a| a.first().cloned())
-            .ok_or_else(|| ModelError::unsupported("architectures", "(missing)", "expected Qwen2ForCausalLM or Qwen3ForCausalLM"))?;
+            .ok_or_else(|| {
+                ModelError::unsupported(
+                    "architectures",
+                    "(missing)",
+                    "expected Qwen2ForCausalLM or Qwen3ForCausalLM",
+                )
+            })?;
         let architecture = match arch_name.as_str() {
             "Qwen2ForCausalLM" => Architecture::Qwen2,
             "Qwen3ForCausalLM" => Architecture::Qwen3,
@@ -145,7 +157,11 @@ impl Qwen2Config {
         if let Some(act) = &raw.hidden_act
             && act != "silu"
         {
-            return Err(ModelError::unsupported("hidden_act", act, "only silu is supported"));
+            return Err(ModelError::unsupported(
+                "hidden_act",
+                act,
+                "only silu is supported",
+            ));
         }
         check_rope_scaling("rope_scaling", raw.rope_scaling.as_ref())?;
         check_rope_scaling("rope_parameters", raw.rope_parameters.as_ref())?;
@@ -155,17 +171,23 @@ impl Qwen2Config {
             .unwrap_or(10000.0);
 
         let num_key_value_heads = raw.num_key_value_heads.unwrap_or(raw.num_attention_heads);
-        if raw.num_attention_heads == 0 || num_key_value_heads == 0 || raw.num_attention_heads % num_key_value_heads != 0 {
+        if raw.num_attention_heads == 0
+            || num_key_value_heads == 0
+            || !raw.num_attention_heads.is_multiple_of(num_key_value_heads)
+        {
             return Err(ModelError::unsupported(
                 "num_key_value_heads",
                 num_key_value_heads,
-                format!("must divide num_attention_heads = {}", raw.num_attention_heads),
+                format!(
+                    "must divide num_attention_heads = {}",
+                    raw.num_attention_heads
+                ),
             ));
         }
         let head_dim = match (architecture, raw.head_dim) {
             (_, Some(d)) => d,
             (_, None) => {
-                if raw.hidden_size % raw.num_attention_heads != 0 {
+                if !raw.hidden_size.is_multiple_of(raw.num_attention_heads) {
                     return Err(ModelError::unsupported(
                         "head_dim",
                         "(missing)",
@@ -176,9 +198,15 @@ impl Qwen2Config {
             }
         };
         if head_dim == 0 || head_dim % 2 != 0 {
-            return Err(ModelError::unsupported("head_dim", head_dim, "RoPE needs an even head_dim"));
+            return Err(ModelError::unsupported(
+                "head_dim",
+                head_dim,
+                "RoPE needs an even head_dim",
+            ));
         }
-        let attention_bias = raw.attention_bias.unwrap_or(architecture == Architecture::Qwen2);
+        let attention_bias = raw
+            .attention_bias
+            .unwrap_or(architecture == Architecture::Qwen2);
         Ok(Self {
             architecture,
             vocab_size: raw.vocab_size,
@@ -214,7 +242,9 @@ impl Qwen2Config {
 /// RoPE scaling (YaRN, dynamic NTK, linear, …) changes the positional encoding; only the
 /// plain ("default") rotary embedding is implemented.
 fn check_rope_scaling(field: &str, value: Option<&Value>) -> Result<()> {
-    let Some(Value::Object(map)) = value else { return Ok(()) };
+    let Some(Value::Object(map)) = value else {
+        return Ok(());
+    };
     for key in ["rope_type", "type"] {
         if let Some(kind) = map.get(key) {
             let kind = kind.as_str().unwrap_or_default();
@@ -233,7 +263,11 @@ fn check_rope_scaling(field: &str, value: Option<&Value>) -> Result<()> {
 fn token_ids(value: Option<&Value>) -> Vec<u32> {
     match value {
         Some(Value::Number(n)) => n.as_u64().map(|v| vec![v as u32]).unwrap_or_default(),
-        Some(Value::Array(a)) => a.iter().filter_map(|v| v.as_u64()).map(|v| v as u32).collect(),
+        Some(Value::Array(a)) => a
+            .iter()
+            .filter_map(|v| v.as_u64())
+            .map(|v| v as u32)
+            .collect(),
         _ => Vec::new(),
     }
 }

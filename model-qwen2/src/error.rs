@@ -83,7 +83,11 @@ impl ModelError {
         value: impl std::fmt::Display,
         reason: impl Into<String>,
     ) -> Self {
-        Self::Unsupported { field: field.into(), value: value.to_string(), reason: reason.into() }
+        Self::Unsupported {
+            field: field.into(),
+            value: value.to_string(),
+            reason: reason.into(),
+        }
     }
 }
 

@@ -16,10 +16,23 @@ pub struct KvCache {
 
 impl KvCache {
     /// Allocates `num_blocks` blocks of `block_size` tokens for every layer of `config`.
-    pub fn new(config: &Qwen2Config, num_blocks: usize, block_size: usize, dtype: DType, device: &Device) -> Result<Self> {
+    pub fn new(
+        config: &Qwen2Config,
+        num_blocks: usize,
+        block_size: usize,
+        dtype: DType,
+        device: &Device,
+    ) -> Result<Self> {
         let layers = (0..config.num_hidden_layers)
             .map(|_| {
-                LayerKvCache::zeros(num_blocks, block_size, config.num_key_value_heads, config.head_dim, dtype, device)
+                LayerKvCache::zeros(
+                    num_blocks,
+                    block_size,
+                    config.num_key_value_heads,
+                    config.head_dim,
+                    dtype,
+                    device,
+                )
             })
             .collect::<Result<_, _>>()?;
         Ok(Self { layers })

@@ -9,7 +9,9 @@ use cubecl_kernels::AttentionMetadata;
 use crate::config::Qwen2Config;
 use crate::error::{ModelError, Result};
 use crate::kv_cache::KvCache;
-use crate::layers::{Linear, Qwen2Attention, Qwen2DecoderLayer, Qwen2Mlp, RmsNorm, RotaryEmbedding};
+use crate::layers::{
+    Linear, Qwen2Attention, Qwen2DecoderLayer, Qwen2Mlp, RmsNorm, RotaryEmbedding,
+};
 use crate::weights::Checkpoint;
 
 /// Which rows of the flattened batch get logits.
@@ -55,26 +57,47 @@ impl Qwen2Model {
     }
 
     /// Builds the model from an opened checkpoint, reading every tensor the config implies.
-    pub fn from_checkpoint(config: Qwen2Config, ckpt: &mut Checkpoint, dtype: DType, device: &Device) -> Result<Self> {
+    pub fn from_checkpoint(
+        config: Qwen2Config,
+        ckpt: &mut Checkpoint,
+        dtype: DType,
+        device: &Device,
+    ) -> Result<Self> {
         let c = &config;
         let (h, i, d) = (c.hidden_size, c.intermediate_size, c.head_dim);
         let (q, kv) = (c.q_size(), c.kv_size());
-        let embed = ckpt.tensor("model.embed_tokens.weight", [c.vocab_size, h], dtype, device)?;
+        let embed = ckpt.tensor(
+            "model.embed_tokens.weight",
+            [c.vocab_size, h],
+            dtype,
+            device,
+        )?;
         let norm = |ckpt: &mut Checkpoint, name: &str, dim: usize| -> Result<RmsNorm> {
-            Ok(RmsNorm::new(ckpt.tensor(name, [dim], dtype, device)?, c.rms_norm_eps))
+            Ok(RmsNorm::new(
+                ckpt.tensor(name, [dim], dtype, device)?,
+                c.rms_norm_eps,
+            ))
         };
         let mut layers = Vec::with_capacity(c.num_hidden_layers);
         for l in 0..c.num_hidden_layers {
             let p = format!("model.layers.{l}");
             let attn = format!("{p}.self_attn");
             let qkv_w = ckpt.concat(
-                &[(&format!("{attn}.q_proj.weight"), [q, h]), (&format!("{attn}.k_proj.weight"), [kv, h]), (&format!("{attn}.v_proj.weight"), [kv, h])],
+                &[
+                    (&format!("{attn}.q_proj.weight"), [q, h]),
+                    (&format!("{attn}.k_proj.weight"), [kv, h]),
+                    (&format!("{attn}.v_proj.weight"), [kv, h]),
+                ],
                 dtype,
                 device,
             )?;
             let qkv_b = if c.attention_bias {
                 Some(ckpt.concat(
-                    &[(&format!("{attn}.q_proj.bias"), [q]), (&format!("{attn}.k_proj.bias"), [kv]), (&format!("{attn}.v_proj.bias"), [kv])],
+                    &[
+                        (&format!("{attn}.q_proj.bias"), [q]),
+                        (&format!("{attn}.k_proj.bias"), [kv]),
+                        (&format!("{attn}.v_proj.bias"), [kv]),
+                    ],
                     dtype,
                     device,
                 )?)
@@ -82,13 +105,19 @@ impl Qwen2Model {
                 None
             };
             let (q_norm, k_norm) = if c.qk_norm {
-                (Some(norm(ckpt, &format!("{attn}.q_norm.weight"), d)?), Some(norm(ckpt, &format!("{attn}.k_norm.weight"), d)?))
+                (
+                    Some(norm(ckpt, &format!("{attn}.q_norm.weight"), d)?),
+                    Some(norm(ckpt, &format!("{attn}.k_norm.weight"), d)?),
+                )
             } else {
                 (None, None)
             };
             let o_proj = ckpt.tensor(&format!("{attn}.o_proj.weight"), [h, q], dtype, device)?;
             let gate_up = ckpt.concat(
-                &[(&format!("{p}.mlp.gate_proj.weight"), [i, h]), (&format!("{p}.mlp.up_proj.weight"), [i, h])],
+                &[
+                    (&format!("{p}.mlp.gate_proj.weight"), [i, h]),
+                    (&format!("{p}.mlp.up_proj.weight"), [i, h]),
+                ],
                 dtype,
                 device,
             )?;
@@ -106,8 +135,15 @@ impl Qwen2Model {
                     num_kv_heads: c.num_key_value_heads,
                     head_dim: d,
                 },
-                post_attention_layernorm: norm(ckpt, &format!("{p}.post_attention_layernorm.weight"), h)?,
-                mlp: Qwen2Mlp { gate_up_proj: Linear::new(gate_up, None), down_proj: Linear::new(down, None) },
+                post_attention_layernorm: norm(
+                    ckpt,
+                    &format!("{p}.post_attention_layernorm.weight"),
+                    h,
+                )?,
+                mlp: Qwen2Mlp {
+                    gate_up_proj: Linear::new(gate_up, None),
+                    down_proj: Linear::new(down, None),
+                },
             });
         }
         let final_norm = norm(ckpt, "model.norm.weight", h)?;
@@ -118,7 +154,9 @@ impl Qwen2Model {
         } else {
             ckpt.tensor("lm_head.weight", [c.vocab_size, h], dtype, device)?
         };
-        Ok(Self::assemble(config, embed, layers, final_norm, lm_head, device))
+        Ok(Self::assemble(
+            config, embed, layers, final_norm, lm_head, device,
+        ))
     }
 
     /// Random weights for any config (like vLLM's `load_format=dummy`): real shapes without a
@@ -127,7 +165,9 @@ impl Qwen2Model {
         let c = &config;
         let (h, i, d) = (c.hidden_size, c.intermediate_size, c.head_dim);
         let qkv_rows = c.q_size() + 2 * c.kv_size();
-        let normal = |shape: [usize; 2]| Tensor::<2>::random(shape, Distribution::Normal(0.0, 0.02), (device, dtype));
+        let normal = |shape: [usize; 2]| {
+            Tensor::<2>::random(shape, Distribution::Normal(0.0, 0.02), (device, dtype))
+        };
         let ones = |dim: usize| RmsNorm::new(Tensor::ones([dim], (device, dtype)), c.rms_norm_eps);
         let layers = (0..c.num_hidden_layers)
             .map(|_| Qwen2DecoderLayer {
@@ -135,7 +175,13 @@ impl Qwen2Model {
                 self_attn: Qwen2Attention {
                     qkv_proj: Linear::new(
                         normal([qkv_rows, h]),
-                        c.attention_bias.then(|| Tensor::random([qkv_rows], Distribution::Normal(0.0, 0.02), (device, dtype))),
+                        c.attention_bias.then(|| {
+                            Tensor::random(
+                                [qkv_rows],
+                                Distribution::Normal(0.0, 0.02),
+                                (device, dtype),
+                            )
+                        }),
                     ),
                     o_proj: Linear::new(normal([h, c.q_size()]), None),
                     q_norm: c.qk_norm.then(|| ones(d)),
@@ -145,11 +191,18 @@ impl Qwen2Model {
                     head_dim: d,
                 },
                 post_attention_layernorm: ones(h),
-                mlp: Qwen2Mlp { gate_up_proj: Linear::new(normal([2 * i, h]), None), down_proj: Linear::new(normal([h, i]), None) },
+                mlp: Qwen2Mlp {
+                    gate_up_proj: Linear::new(normal([2 * i, h]), None),
+                    down_proj: Linear::new(normal([h, i]), None),
+                },
             })
             .collect();
         let embed = normal([c.vocab_size, h]);
-        let lm_head = if c.tie_word_embeddings { embed.clone() } else { normal([c.vocab_size, h]) };
+        let lm_head = if c.tie_word_embeddings {
+            embed.clone()
+        } else {
+            normal([c.vocab_size, h])
+        };
         let final_norm = ones(h);
         Self::assemble(config, embed, layers, final_norm, lm_head, device)
     }
@@ -162,8 +215,20 @@ impl Qwen2Model {
         lm_head: Tensor<2>,
         device: &Device,
     ) -> Self {
-        let rotary = RotaryEmbedding::new(config.head_dim, config.max_position_embeddings, config.rope_theta, device);
-        Self { embed_tokens: Param::from_tensor(embed), layers, norm, lm_head: Linear::new(lm_head, None), rotary, config }
+        let rotary = RotaryEmbedding::new(
+            config.head_dim,
+            config.max_position_embeddings,
+            config.rope_theta,
+            device,
+        );
+        Self {
+            embed_tokens: Param::from_tensor(embed),
+            layers,
+            norm,
+            lm_head: Linear::new(lm_head, None),
+            rotary,
+            config,
+        }
     }
 
     /// The compute dtype of the weights.
@@ -173,12 +238,21 @@ impl Qwen2Model {
 
     /// Checks token ids against the vocabulary and uploads them, `[num_tokens]`.
     pub fn input_ids(&self, ids: &[u32], device: &Device) -> Result<Tensor<1, Int>> {
-        if let Some(&bad) = ids.iter().find(|&&id| id as usize >= self.config.vocab_size) {
-            return Err(ModelError::Input(format!("token id {bad} is outside the vocabulary of {}", self.config.vocab_size)));
+        if let Some(&bad) = ids
+            .iter()
+            .find(|&&id| id as usize >= self.config.vocab_size)
+        {
+            return Err(ModelError::Input(format!(
+                "token id {bad} is outside the vocabulary of {}",
+                self.config.vocab_size
+            )));
         }
         let ids: Vec<i32> = ids.iter().map(|&v| v as i32).collect();
         let n = ids.len();
-        Ok(Tensor::from_data(TensorData::new(ids, [n]), (device, DType::I32)))
+        Ok(Tensor::from_data(
+            TensorData::new(ids, [n]),
+            (device, DType::I32),
+        ))
     }
 
     /// Embedding lookup. `input_ids [T]` → `[T, H]`.
@@ -201,9 +275,15 @@ impl Qwen2Model {
         let (x, residual) = match rows {
             LogitsRows::All => (x, residual),
             LogitsRows::LastPerSequence => {
-                let last: Vec<i32> = meta.cu_seqlens_q()[1..].iter().map(|&e| e as i32 - 1).collect();
+                let last: Vec<i32> = meta.cu_seqlens_q()[1..]
+                    .iter()
+                    .map(|&e| e as i32 - 1)
+                    .collect();
                 let n = last.len();
-                let idx = Tensor::<1, Int>::from_data(TensorData::new(last, [n]), (&x.device(), DType::I32));
+                let idx = Tensor::<1, Int>::from_data(
+                    TensorData::new(last, [n]),
+                    (&x.device(), DType::I32),
+                );
                 (x.select(0, idx.clone()), residual.select(0, idx))
             }
         };

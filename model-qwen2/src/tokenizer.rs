@@ -21,7 +21,10 @@ pub struct ChatMessage {
 impl ChatMessage {
     /// A message with `role` and `content`.
     pub fn new(role: impl Into<String>, content: impl Into<String>) -> Self {
-        Self { role: role.into(), content: content.into() }
+        Self {
+            role: role.into(),
+            content: content.into(),
+        }
     }
 }
 
@@ -44,13 +47,22 @@ impl Qwen2Tokenizer {
         }
         let inner = tokenizers::Tokenizer::from_file(&json)
             .map_err(|e| ModelError::Tokenizer(format!("{}: {e}", json.display())))?;
-        let mut tok = Self { inner, chat_template: None, bos_token: None, eos_token: None };
+        let mut tok = Self {
+            inner,
+            chat_template: None,
+            bos_token: None,
+            eos_token: None,
+        };
         let config_path = dir.join("tokenizer_config.json");
         if config_path.exists() {
-            let text = std::fs::read_to_string(&config_path)
-                .map_err(|source| ModelError::Io { path: config_path.clone(), source })?;
-            let config: Value = serde_json::from_str(&text)
-                .map_err(|e| ModelError::Parse { path: config_path.clone(), message: e.to_string() })?;
+            let text = std::fs::read_to_string(&config_path).map_err(|source| ModelError::Io {
+                path: config_path.clone(),
+                source,
+            })?;
+            let config: Value = serde_json::from_str(&text).map_err(|e| ModelError::Parse {
+                path: config_path.clone(),
+                message: e.to_string(),
+            })?;
             tok.chat_template = template_from_config(&config);
             tok.bos_token = token_string(config.get("bos_token"));
             tok.eos_token = token_string(config.get("eos_token"));
@@ -58,20 +70,30 @@ impl Qwen2Tokenizer {
         let jinja = dir.join("chat_template.jinja");
         if tok.chat_template.is_none() && jinja.exists() {
             tok.chat_template =
-                Some(std::fs::read_to_string(&jinja).map_err(|source| ModelError::Io { path: jinja, source })?);
+                Some(
+                    std::fs::read_to_string(&jinja).map_err(|source| ModelError::Io {
+                        path: jinja,
+                        source,
+                    })?,
+                );
         }
         Ok(tok)
     }
 
     /// Token ids of `text`, with nothing added (Qwen has no BOS).
     pub fn encode(&self, text: &str) -> Result<Vec<u32>> {
-        let enc = self.inner.encode(text, false).map_err(|e| ModelError::Tokenizer(e.to_string()))?;
+        let enc = self
+            .inner
+            .encode(text, false)
+            .map_err(|e| ModelError::Tokenizer(e.to_string()))?;
         Ok(enc.get_ids().to_vec())
     }
 
     /// Text of `ids`; `skip_special_tokens` drops special tokens such as `<|im_end|>`.
     pub fn decode(&self, ids: &[u32], skip_special_tokens: bool) -> Result<String> {
-        self.inner.decode(ids, skip_special_tokens).map_err(|e| ModelError::Tokenizer(e.to_string()))
+        self.inner
+            .decode(ids, skip_special_tokens)
+            .map_err(|e| ModelError::Tokenizer(e.to_string()))
     }
 
     /// Id of a token string such as `<|im_end|>`.
@@ -91,19 +113,25 @@ impl Qwen2Tokenizer {
 
     /// Renders the chat template over `messages`; with `add_generation_prompt` the text ends
     /// with the opening of an assistant turn.
-    pub fn apply_chat_template(&self, messages: &[ChatMessage], add_generation_prompt: bool) -> Result<String> {
-        let template = self
-            .chat_template
-            .as_deref()
-            .ok_or_else(|| ModelError::Tokenizer("tokenizer_config.json has no chat_template".into()))?;
+    pub fn apply_chat_template(
+        &self,
+        messages: &[ChatMessage],
+        add_generation_prompt: bool,
+    ) -> Result<String> {
+        let template = self.chat_template.as_deref().ok_or_else(|| {
+            ModelError::Tokenizer("tokenizer_config.json has no chat_template".into())
+        })?;
         let mut env = Environment::new();
         // transformers renders with Jinja2(trim_blocks=True, lstrip_blocks=True).
         env.set_trim_blocks(true);
         env.set_lstrip_blocks(true);
         env.set_unknown_method_callback(minijinja_contrib::pycompat::unknown_method_callback);
-        env.add_function("raise_exception", |msg: String| -> std::result::Result<String, JinjaError> {
-            Err(JinjaError::new(ErrorKind::InvalidOperation, msg))
-        });
+        env.add_function(
+            "raise_exception",
+            |msg: String| -> std::result::Result<String, JinjaError> {
+                Err(JinjaError::new(ErrorKind::InvalidOperation, msg))
+            },
+        );
         let render_err = |e: JinjaError| ModelError::Tokenizer(format!("chat template: {e:#}"));
         env.add_template("chat", template).map_err(render_err)?;
         env.get_template("chat")

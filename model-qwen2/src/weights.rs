@@ -54,8 +54,10 @@ impl Checkpoint {
         let files: Vec<PathBuf> = if single.exists() {
             vec![single]
         } else if index_path.exists() {
-            let text = std::fs::read_to_string(&index_path)
-                .map_err(|source| ModelError::Io { path: index_path.clone(), source })?;
+            let text = std::fs::read_to_string(&index_path).map_err(|source| ModelError::Io {
+                path: index_path.clone(),
+                source,
+            })?;
             let index: ShardIndex = serde_json::from_str(&text).map_err(|e| ModelError::Parse {
                 path: index_path.clone(),
                 message: e.to_string(),
@@ -74,7 +76,11 @@ impl Checkpoint {
             }
             shards.push(shard);
         }
-        Ok(Self { shards, index, used: BTreeSet::new() })
+        Ok(Self {
+            shards,
+            index,
+            used: BTreeSet::new(),
+        })
     }
 
     /// True if the checkpoint stores `name`.
@@ -84,9 +90,15 @@ impl Checkpoint {
 
     /// The raw bytes of `name`, checked against `expected` shape.
     pub fn raw(&mut self, name: &str, expected: &[usize]) -> Result<RawTensor> {
-        let &shard = self.index.get(name).ok_or_else(|| ModelError::MissingTensor(name.to_string()))?;
+        let &shard = self
+            .index
+            .get(name)
+            .ok_or_else(|| ModelError::MissingTensor(name.to_string()))?;
         let shard = &self.shards[shard];
-        let info = shard.metadata.info(name).expect("indexed tensor has metadata");
+        let info = shard
+            .metadata
+            .info(name)
+            .expect("indexed tensor has metadata");
         if info.shape != expected {
             return Err(ModelError::ShapeMismatch {
                 name: name.to_string(),
@@ -99,13 +111,20 @@ impl Checkpoint {
             Dtype::F16 => DType::F16,
             Dtype::BF16 => DType::BF16,
             other => {
-                return Err(ModelError::UnsupportedDtype { name: name.to_string(), dtype: format!("{other:?}") });
+                return Err(ModelError::UnsupportedDtype {
+                    name: name.to_string(),
+                    dtype: format!("{other:?}"),
+                });
             }
         };
         let (start, end) = info.data_offsets;
         let bytes = shard.mmap[shard.data_start + start..shard.data_start + end].to_vec();
         self.used.insert(name.to_string());
-        Ok(RawTensor { bytes, dtype, shape: info.shape.clone() })
+        Ok(RawTensor {
+            bytes,
+            dtype,
+            shape: info.shape.clone(),
+        })
     }
 
     /// Tensor `name`, checked against `shape`, converted to `dtype` on `device`.
@@ -142,13 +161,26 @@ impl Checkpoint {
         let mut shape = raws[0].shape.clone();
         shape[0] = raws.iter().map(|r| r.shape[0]).sum();
         let bytes = raws.into_iter().flat_map(|r| r.bytes).collect();
-        Ok(RawTensor { bytes, dtype: src, shape }.into_tensor(dtype, device))
+        Ok(RawTensor {
+            bytes,
+            dtype: src,
+            shape,
+        }
+        .into_tensor(dtype, device))
     }
 
     /// Fails if the checkpoint holds tensors that were never read.
     pub fn finish(self) -> Result<()> {
-        let unused: Vec<String> = self.index.into_keys().filter(|n| !self.used.contains(n)).collect();
-        if unused.is_empty() { Ok(()) } else { Err(ModelError::UnexpectedTensors(unused)) }
+        let unused: Vec<String> = self
+            .index
+            .into_keys()
+            .filter(|n| !self.used.contains(n))
+            .collect();
+        if unused.is_empty() {
+            Ok(())
+        } else {
+            Err(ModelError::UnexpectedTensors(unused))
+        }
     }
 }
 
@@ -166,20 +198,37 @@ impl Shard {
             if source.kind() == std::io::ErrorKind::NotFound {
                 ModelError::MissingFile(path.clone())
             } else {
-                ModelError::Io { path: path.clone(), source }
+                ModelError::Io {
+                    path: path.clone(),
+                    source,
+                }
             }
         })?;
         // SAFETY: the checkpoint is opened read-only and must not be modified while loaded.
-        let mmap = unsafe { Mmap::map(&file) }.map_err(|source| ModelError::Io { path: path.clone(), source })?;
-        let (header, metadata) = SafeTensors::read_metadata(&mmap)
-            .map_err(|e| ModelError::Safetensors { path: path.clone(), message: e.to_string() })?;
-        Ok(Self { path, mmap, data_start: 8 + header, metadata })
+        let mmap = unsafe { Mmap::map(&file) }.map_err(|source| ModelError::Io {
+            path: path.clone(),
+            source,
+        })?;
+        let (header, metadata) =
+            SafeTensors::read_metadata(&mmap).map_err(|e| ModelError::Safetensors {
+                path: path.clone(),
+                message: e.to_string(),
+            })?;
+        Ok(Self {
+            path,
+            mmap,
+            data_start: 8 + header,
+            metadata,
+        })
     }
 }
 
 impl std::fmt::Debug for Checkpoint {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         let paths: Vec<_> = self.shards.iter().map(|s| &s.path).collect();
-        f.debug_struct("Checkpoint").field("shards", &paths).field("tensors", &self.index.len()).finish()
+        f.debug_struct("Checkpoint")
+            .field("shards", &paths)
+            .field("tensors", &self.index.len())
+            .finish()
     }
 }

@@ -94,7 +94,9 @@ impl AttentionMetadata {
             }
             for p in c - q..c {
                 positions.push(p as i64);
-                slot_mapping.push(table[p / block_size] as i64 * block_size as i64 + (p % block_size) as i64);
+                slot_mapping.push(
+                    table[p / block_size] as i64 * block_size as i64 + (p % block_size) as i64,
+                );
             }
         }
         let tensors = MetadataTensors::new(
@@ -105,7 +107,15 @@ impl AttentionMetadata {
             &positions,
             device,
         );
-        Ok(Self { query_lens, context_lens, block_tables, block_size, slot_mapping, positions, tensors })
+        Ok(Self {
+            query_lens,
+            context_lens,
+            block_tables,
+            block_size,
+            slot_mapping,
+            positions,
+            tensors,
+        })
     }
 
     /// A prefill batch with no cached prefix: each prompt's tokens are all new.
@@ -115,7 +125,13 @@ impl AttentionMetadata {
         block_size: usize,
         device: &Device,
     ) -> Result<Self, KernelError> {
-        Self::new(prompt_lens.clone(), prompt_lens, block_tables, block_size, device)
+        Self::new(
+            prompt_lens.clone(),
+            prompt_lens,
+            block_tables,
+            block_size,
+            device,
+        )
     }
 
     /// A decode batch: one new token per sequence, `context_lens` counting it.
@@ -125,7 +141,13 @@ impl AttentionMetadata {
         block_size: usize,
         device: &Device,
     ) -> Result<Self, KernelError> {
-        Self::new(vec![1; context_lens.len()], context_lens, block_tables, block_size, device)
+        Self::new(
+            vec![1; context_lens.len()],
+            context_lens,
+            block_tables,
+            block_size,
+            device,
+        )
     }
 
     /// Number of sequences `B`.
@@ -162,7 +184,9 @@ impl AttentionMetadata {
     pub fn context_slots(&self, s: usize, len: usize) -> Vec<i64> {
         let table = &self.block_tables[s];
         let bs = self.block_size;
-        (0..len).map(|p| (table[p / bs] as usize * bs + p % bs) as i64).collect()
+        (0..len)
+            .map(|p| (table[p / bs] as usize * bs + p % bs) as i64)
+            .collect()
     }
 }
 
@@ -182,7 +206,10 @@ impl MetadataTensors {
                 tables[row * max_blocks + j] = b as i32;
             }
         }
-        let cu: Vec<i32> = prefix_sums(query_lens).into_iter().map(|v| v as i32).collect();
+        let cu: Vec<i32> = prefix_sums(query_lens)
+            .into_iter()
+            .map(|v| v as i32)
+            .collect();
         let ctx: Vec<i32> = context_lens.iter().map(|&v| v as i32).collect();
         Self {
             slot_mapping: int_tensor(slot_mapping.iter().map(|&v| v as i32).collect(), device),

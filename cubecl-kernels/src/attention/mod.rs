@@ -1,9 +1,301 @@
-//! Paged attention: the KV-cache write and attention over a variable-length batch whose keys
-//! live in a block-paged cache.
+//! Paged attention: the KV-cache write (with RoPE and Qwen3's q/k norm fused in) and attention
+//! over a variable-length batch whose keys live in a block-paged cache — prefill (any number of
+//! new tokens per sequence, over a cached prefix) and decode (one token per sequence, split
+//! across cubes for long contexts).
 
+pub(crate) mod decode;
 mod kv_cache;
 mod metadata;
+pub(crate) mod prefill;
 pub mod reference;
+pub(crate) mod store_kv;
+
+use burn::backend::Dispatch;
+use burn::tensor::{DType, Tensor};
+use burn_cubecl::{kernel::into_contiguous, tensor::CubeTensor};
 
 pub use kv_cache::LayerKvCache;
 pub use metadata::{AttentionMetadata, MetadataTensors};
+pub use store_kv::QkvLayout;
+
+use crate::KernelError;
+use crate::ops::{AttentionPlan, KernelOps};
+
+/// Rotary tables: `cos`, `sin` `[max_positions, head_dim / 2]`, f32.
+#[derive(Clone, Copy, Debug)]
+pub struct Rope<'a> {
+    /// `cos(p · θ^(−2j/D))`.
+    pub cos: &'a Tensor<2>,
+    /// `sin(p · θ^(−2j/D))`.
+    pub sin: &'a Tensor<2>,
+}
+
+/// Qwen3's per-head RMSNorm of queries and keys (weights `[head_dim]`).
+#[derive(Clone, Copy, Debug)]
+pub struct QkNorm<'a> {
+    /// Query norm weight.
+    pub q: &'a Tensor<1>,
+    /// Key norm weight.
+    pub k: &'a Tensor<1>,
+    /// Epsilon.
+    pub eps: f64,
+}
+
+/// Writes the new tokens' keys and values into the paged cache (`meta.slot_mapping`, −1 = skip).
+///
+/// `k`, `v`: `[num_tokens, num_kv_heads, head_dim]`, in the cache's dtype.
+pub fn store_kv(cache: &mut LayerKvCache, k: Tensor<3>, v: Tensor<3>, meta: &AttentionMetadata) {
+    let [t, kv_heads, d] = k.dims();
+    check_cache(cache, kv_heads, d, k.dtype(), meta).unwrap_or_else(|e| panic!("store_kv: {e}"));
+    if !crate::runs_kernels(&k) {
+        return reference::store_kv(cache, k, v, meta);
+    }
+    let layout = QkvLayout {
+        heads: 0,
+        kv_heads,
+        head_dim: d,
+        offsets: [0; 3],
+        rope: false,
+        qk_norm: false,
+    };
+    let k = k.reshape([t, kv_heads * d]);
+    let v = v.reshape([t, kv_heads * d]);
+    launch_store(cache, k.clone(), k, v, None, None, layout, meta);
+}
+
+/// The KV write of a Qwen layer with its query/key preprocessing: splits the merged projection
+/// `qkv [T, (heads + 2·kv_heads)·D]`, applies `qk_norm` (Qwen3) and RoPE at `meta.positions` to
+/// q and k, stores k and v in `cache` at `meta.slot_mapping` and returns the queries
+/// `[T, heads, D]`.
+#[allow(clippy::too_many_arguments)]
+pub fn rope_store_kv(
+    qkv: Tensor<2>,
+    heads: usize,
+    qk_norm: Option<QkNorm<'_>>,
+    rope: Rope<'_>,
+    meta: &AttentionMetadata,
+    cache: &mut LayerKvCache,
+) -> Tensor<3> {
+    let [_, _, kv_heads, d] = cache.dims();
+    let [t, width] = qkv.dims();
+    let check = || -> Result<(), KernelError> {
+        check_cache(cache, kv_heads, d, qkv.dtype(), meta)?;
+        if width != (heads + 2 * kv_heads) * d || !heads.is_multiple_of(kv_heads) {
+            return Err(KernelError::invalid(format!(
+                "qkv has width {width}; expected ({heads} + 2·{kv_heads})·{d} with heads a multiple of kv heads"
+            )));
+        }
+        if t != meta.num_tokens() {
+            return Err(KernelError::invalid(format!(
+                "qkv has {t} rows, the metadata {} tokens",
+                meta.num_tokens()
+            )));
+        }
+        if rope.cos.dims()[1] != d / 2
+            || rope.cos.dims()[0] <= meta.positions.iter().copied().max().unwrap_or(0) as usize
+        {
+            return Err(KernelError::invalid(format!(
+                "RoPE tables of shape {:?} do not cover head_dim {d} and position {}",
+                rope.cos.dims(),
+                meta.positions.iter().max().unwrap_or(&0)
+            )));
+        }
+        Ok(())
+    };
+    check().unwrap_or_else(|e| panic!("rope_store_kv: {e}"));
+    if !crate::runs_kernels(&qkv) {
+        return reference::rope_store_kv(qkv, heads, qk_norm, rope, meta, cache);
+    }
+    let layout = QkvLayout {
+        heads,
+        kv_heads,
+        head_dim: d,
+        offsets: [0, heads * d, (heads + kv_heads) * d],
+        rope: true,
+        qk_norm: qk_norm.is_some(),
+    };
+    let q = launch_store(
+        cache,
+        qkv.clone(),
+        qkv.clone(),
+        qkv,
+        qk_norm,
+        Some(rope),
+        layout,
+        meta,
+    );
+    q.reshape([t, heads, d])
+}
+
+#[allow(clippy::too_many_arguments)]
+fn launch_store(
+    cache: &mut LayerKvCache,
+    q: Tensor<2>,
+    k: Tensor<2>,
+    v: Tensor<2>,
+    qk_norm: Option<QkNorm<'_>>,
+    rope: Option<Rope<'_>>,
+    layout: QkvLayout,
+    meta: &AttentionMetadata,
+) -> Tensor<2> {
+    let placeholder = || k.clone().into_dispatch();
+    let (qn, kn, eps) = match qk_norm {
+        Some(n) => (
+            n.q.clone().into_dispatch(),
+            n.k.clone().into_dispatch(),
+            n.eps as f32,
+        ),
+        None => (placeholder(), placeholder(), 0.0),
+    };
+    let (cos, sin) = match rope {
+        Some(r) => (r.cos.clone().into_dispatch(), r.sin.clone().into_dispatch()),
+        None => (placeholder(), placeholder()),
+    };
+    // Moved out (not cloned) so that the kernel may write the buffers in place.
+    let (kc, vc) = (cache.k.extract(), cache.v.extract());
+    let (q_out, kc, vc) = Dispatch::rope_store_kv(
+        q.into_dispatch(),
+        k.clone().into_dispatch(),
+        v.into_dispatch(),
+        qn,
+        kn,
+        cos,
+        sin,
+        meta.tensors.positions.clone().into_dispatch(),
+        meta.tensors.slot_mapping.clone().into_dispatch(),
+        kc.into_dispatch(),
+        vc.into_dispatch(),
+        layout,
+        eps,
+    );
+    cache.k = Tensor::from_dispatch(kc);
+    cache.v = Tensor::from_dispatch(vc);
+    Tensor::from_dispatch(q_out)
+}
+
+/// Causal attention of each sequence's new tokens over its cached context (the new keys
+/// included: store them first), with grouped-query heads and softmax scale `scale`. Decode
+/// batches (one token per sequence) take the split-context decode kernel, others the prefill
+/// kernel.
+///
+/// `q`: `[num_tokens, num_heads, head_dim]` → `[num_tokens, num_heads, head_dim]`.
+pub fn paged_attention(
+    q: Tensor<3>,
+    cache: &LayerKvCache,
+    meta: &AttentionMetadata,
+    scale: f32,
+) -> Tensor<3> {
+    let [t, heads, d] = q.dims();
+    let check = || -> Result<(), KernelError> {
+        let kv_heads = cache.dims()[2];
+        check_cache(cache, kv_heads, d, q.dtype(), meta)?;
+        if !heads.is_multiple_of(kv_heads) {
+            return Err(KernelError::invalid(format!(
+                "{heads} query heads are not a multiple of {kv_heads} kv heads"
+            )));
+        }
+        if t != meta.num_tokens() {
+            return Err(KernelError::invalid(format!(
+                "q has {t} tokens, the metadata {}",
+                meta.num_tokens()
+            )));
+        }
+        Ok(())
+    };
+    check().unwrap_or_else(|e| panic!("paged_attention: {e}"));
+    if !crate::runs_kernels(&q) {
+        return reference::paged_attention(q, cache, meta, scale);
+    }
+    let plan = AttentionPlan {
+        query_lens: std::sync::Arc::new(meta.query_lens.clone()),
+        max_context: meta.max_context_len(),
+        decode: meta.is_decode(),
+        scale,
+    };
+    let t = &meta.tensors;
+    Tensor::from_dispatch(Dispatch::paged_attention(
+        q.into_dispatch(),
+        cache.k.clone().into_dispatch(),
+        cache.v.clone().into_dispatch(),
+        t.block_tables.clone().into_dispatch(),
+        t.context_lens.clone().into_dispatch(),
+        t.cu_seqlens_q.clone().into_dispatch(),
+        plan,
+    ))
+}
+
+/// The cache must match the heads and dtype of the tensors written into it, and every block id
+/// of the metadata must exist.
+fn check_cache(
+    cache: &LayerKvCache,
+    kv_heads: usize,
+    d: usize,
+    dtype: DType,
+    meta: &AttentionMetadata,
+) -> Result<(), KernelError> {
+    let [nb, bs, ckvh, cd] = cache.dims();
+    if (ckvh, cd) != (kv_heads, d) {
+        return Err(KernelError::invalid(format!(
+            "cache holds {ckvh} kv heads of width {cd}, the input {kv_heads} of width {d}"
+        )));
+    }
+    if cache.k.dtype() != dtype || cache.v.dtype() != dtype {
+        return Err(KernelError::invalid(format!(
+            "cache dtype {:?} differs from the input's {dtype:?}",
+            cache.k.dtype()
+        )));
+    }
+    if bs != meta.block_size {
+        return Err(KernelError::invalid(format!(
+            "cache block size {bs}, metadata block size {}",
+            meta.block_size
+        )));
+    }
+    if let Some(b) = meta
+        .block_tables
+        .iter()
+        .flatten()
+        .find(|&&b| b as usize >= nb)
+    {
+        return Err(KernelError::invalid(format!(
+            "block id {b} is outside the cache's {nb} blocks"
+        )));
+    }
+    Ok(())
+}
+
+/// Kernels index the last dimension with unit stride; anything else is copied first.
+pub(crate) fn unit_inner_stride(t: CubeTensor) -> CubeTensor {
+    let strides = t.meta.strides();
+    if strides[strides.len() - 1] == 1 {
+        t
+    } else {
+        into_contiguous(t)
+    }
+}
+
+/// A buffer the op may write in place: the cache itself when nothing else holds it, else a copy.
+pub(crate) fn writable(t: CubeTensor) -> CubeTensor {
+    if t.can_mut() && t.is_contiguous() {
+        t
+    } else {
+        into_contiguous(t.copy())
+    }
+}
+
+/// Host `i32` values as a contiguous device tensor next to `like`.
+pub(crate) fn upload_i32<const D: usize>(
+    like: &CubeTensor,
+    values: &[i32],
+    shape: [usize; D],
+) -> CubeTensor {
+    let bytes: Vec<u8> = values.iter().flat_map(|v| v.to_le_bytes()).collect();
+    let handle = like.client.create_from_slice(&bytes);
+    CubeTensor::new_contiguous(
+        like.client.clone(),
+        like.device.clone(),
+        shape.into(),
+        handle,
+        DType::I32,
+    )
+}

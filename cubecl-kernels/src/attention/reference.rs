@@ -6,7 +6,78 @@ use burn::tensor::{
     Bool, FloatDType, IndexingUpdateOp, Int, Tensor, TensorData, activation::softmax,
 };
 
-use super::{AttentionMetadata, LayerKvCache};
+use super::{AttentionMetadata, LayerKvCache, QkNorm, Rope};
+use crate::rms_norm_linear::reference::rms_norm;
+
+/// Rotate-half (GPT-NeoX) RoPE of `x [T, heads, D]` at `positions [T]`: element `j` pairs with
+/// `j + D/2`, `x' = x·cos + rotate_half(x)·sin`, computed in f32 and returned in `x`'s dtype.
+pub fn apply_rope(x: Tensor<3>, rope: Rope<'_>, positions: Tensor<1, Int>) -> Tensor<3> {
+    let [t, _, d] = x.dims();
+    let half = d / 2;
+    let dtype = x.dtype();
+    let cos = rope
+        .cos
+        .clone()
+        .select(0, positions.clone())
+        .reshape([t, 1, half]);
+    let sin = rope.sin.clone().select(0, positions).reshape([t, 1, half]);
+    let x = x.cast(FloatDType::F32);
+    let x1 = x.clone().slice_dim(2, 0..half);
+    let x2 = x.slice_dim(2, half..d);
+    let out1 = x1.clone() * cos.clone() - x2.clone() * sin.clone();
+    let out2 = x2 * cos + x1 * sin;
+    Tensor::cat(vec![out1, out2], 2).cast(dtype)
+}
+
+/// Splits `qkv [T, (heads + 2·kv_heads)·D]` into `q [T, heads, D]`, `k`, `v [T, kv_heads, D]`.
+pub fn split_qkv(
+    qkv: Tensor<2>,
+    heads: usize,
+    kv_heads: usize,
+    d: usize,
+) -> (Tensor<3>, Tensor<3>, Tensor<3>) {
+    let t = qkv.dims()[0];
+    let q = qkv
+        .clone()
+        .slice_dim(1, 0..heads * d)
+        .reshape([t, heads, d]);
+    let k = qkv
+        .clone()
+        .slice_dim(1, heads * d..(heads + kv_heads) * d)
+        .reshape([t, kv_heads, d]);
+    let v = qkv
+        .slice_dim(1, (heads + kv_heads) * d..(heads + 2 * kv_heads) * d)
+        .reshape([t, kv_heads, d]);
+    (q, k, v)
+}
+
+/// Per-head RMSNorm of `x [T, heads, D]` with `weight [D]`.
+pub fn head_rms_norm(x: Tensor<3>, weight: &Tensor<1>, eps: f64) -> Tensor<3> {
+    let [t, h, d] = x.dims();
+    rms_norm(x.reshape([t * h, d]), weight.clone(), eps).reshape([t, h, d])
+}
+
+/// Reference of [`crate::rope_store_kv`]: split, q/k norm, RoPE, KV write; returns q.
+pub fn rope_store_kv(
+    qkv: Tensor<2>,
+    heads: usize,
+    qk_norm: Option<QkNorm<'_>>,
+    rope: Rope<'_>,
+    meta: &AttentionMetadata,
+    cache: &mut LayerKvCache,
+) -> Tensor<3> {
+    let [_, _, kv_heads, d] = cache.dims();
+    let (mut q, mut k, v) = split_qkv(qkv, heads, kv_heads, d);
+    if let Some(n) = qk_norm {
+        q = head_rms_norm(q, n.q, n.eps);
+        k = head_rms_norm(k, n.k, n.eps);
+    }
+    let positions = meta.tensors.positions.clone();
+    let q = apply_rope(q, rope, positions.clone());
+    let k = apply_rope(k, rope, positions);
+    store_kv(cache, k, v, meta);
+    q
+}
 
 /// Writes the new tokens' keys and values into their cache slots (`meta.slot_mapping`, −1 =
 /// skip).
@@ -15,7 +86,9 @@ use super::{AttentionMetadata, LayerKvCache};
 pub fn store_kv(cache: &mut LayerKvCache, k: Tensor<3>, v: Tensor<3>, meta: &AttentionMetadata) {
     let [num_blocks, block_size, kv_heads, head_dim] = cache.dims();
     let device = k.device();
-    let kept: Vec<usize> = (0..meta.num_tokens()).filter(|&t| meta.slot_mapping[t] >= 0).collect();
+    let kept: Vec<usize> = (0..meta.num_tokens())
+        .filter(|&t| meta.slot_mapping[t] >= 0)
+        .collect();
     if kept.is_empty() {
         return;
     }
@@ -26,7 +99,10 @@ pub fn store_kv(cache: &mut LayerKvCache, k: Tensor<3>, v: Tensor<3>, meta: &Att
         if kept.len() == meta.num_tokens() {
             x
         } else {
-            x.select(0, index_tensor(kept.iter().map(|&t| t as i64).collect(), &device))
+            x.select(
+                0,
+                index_tensor(kept.iter().map(|&t| t as i64).collect(), &device),
+            )
         }
     };
     let write = |c: Tensor<4>, x: Tensor<3>| {
@@ -55,7 +131,9 @@ pub fn paged_attention(
     let device = q.device();
     let dtype = q.dtype();
     let flat = |c: &Tensor<4>| {
-        c.clone().reshape([num_blocks * block_size, kv_heads, head_dim]).cast(FloatDType::F32)
+        c.clone()
+            .reshape([num_blocks * block_size, kv_heads, head_dim])
+            .cast(FloatDType::F32)
     };
     let (k_all, v_all) = (flat(&cache.k), flat(&cache.v));
     let q = q.cast(FloatDType::F32);
@@ -85,10 +163,16 @@ pub fn paged_attention(
 }
 
 /// `[heads, lq, ctx]`, true where query `i` (position `ctx - lq + i`) must not see key `j`.
-fn causal_mask(lq: usize, ctx: usize, heads: usize, device: &burn::tensor::Device) -> Tensor<3, Bool> {
+fn causal_mask(
+    lq: usize,
+    ctx: usize,
+    heads: usize,
+    device: &burn::tensor::Device,
+) -> Tensor<3, Bool> {
     let offset = ctx - lq;
-    let mask: Vec<bool> =
-        (0..lq).flat_map(|i| (0..ctx).map(move |j| j > offset + i)).collect();
+    let mask: Vec<bool> = (0..lq)
+        .flat_map(|i| (0..ctx).map(move |j| j > offset + i))
+        .collect();
     Tensor::<2, Bool>::from_data(TensorData::new(mask, [lq, ctx]), device)
         .unsqueeze::<3>()
         .expand([heads, lq, ctx])

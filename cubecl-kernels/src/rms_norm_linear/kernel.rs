@@ -58,7 +58,11 @@ pub struct TiledConfig {
 /// otherwise every unit's value goes through shared memory.
 #[cube]
 pub fn cube_sum(value: f32, scratch: &mut Shared<[f32]>, #[comptime] use_plane: bool) -> f32 {
-    let parts = if comptime!(use_plane) { CUBE_DIM_X / PLANE_DIM } else { CUBE_DIM_X };
+    let parts = if comptime!(use_plane) {
+        CUBE_DIM_X / PLANE_DIM
+    } else {
+        CUBE_DIM_X
+    };
     if comptime!(use_plane) {
         let s = plane_sum(value);
         if UNIT_POS_PLANE == 0 {
@@ -141,8 +145,16 @@ pub fn linear_skinny<F: Float, NV: Size>(
     let tid = UNIT_POS_X as usize;
     let tile = comptime!(cfg.m_tile * cfg.rows);
     let mut scratch = Shared::<[f32]>::new_slice(comptime!(cfg.m_tile * cfg.rows * cfg.cube_dim));
-    let parts = if comptime!(cfg.use_plane) { CUBE_DIM_X / PLANE_DIM } else { CUBE_DIM_X };
-    let slot = if comptime!(cfg.use_plane) { PLANE_POS as usize } else { tid };
+    let parts = if comptime!(cfg.use_plane) {
+        CUBE_DIM_X / PLANE_DIM
+    } else {
+        CUBE_DIM_X
+    };
+    let slot = if comptime!(cfg.use_plane) {
+        PLANE_POS as usize
+    } else {
+        tid
+    };
 
     let mut m0 = 0usize;
     while m0 < m_total {
@@ -256,20 +268,93 @@ pub fn linear_tiled<F: Float>(
         let plane = PLANE_POS as usize;
         let pm = (plane / 2) * 32;
         let pn = (plane % 2) * 32;
-        let c00 = cmma::Matrix::<f32>::from_value(cmma::MatrixIdent::Accumulator, 16usize, 16usize, 16usize, cmma::MatrixLayout::Undefined, 0.0);
-        let c01 = cmma::Matrix::<f32>::from_value(cmma::MatrixIdent::Accumulator, 16usize, 16usize, 16usize, cmma::MatrixLayout::Undefined, 0.0);
-        let c10 = cmma::Matrix::<f32>::from_value(cmma::MatrixIdent::Accumulator, 16usize, 16usize, 16usize, cmma::MatrixLayout::Undefined, 0.0);
-        let c11 = cmma::Matrix::<f32>::from_value(cmma::MatrixIdent::Accumulator, 16usize, 16usize, 16usize, cmma::MatrixLayout::Undefined, 0.0);
+        let c00 = cmma::Matrix::<f32>::from_value(
+            cmma::MatrixIdent::Accumulator,
+            16usize,
+            16usize,
+            16usize,
+            cmma::MatrixLayout::Undefined,
+            0.0,
+        );
+        let c01 = cmma::Matrix::<f32>::from_value(
+            cmma::MatrixIdent::Accumulator,
+            16usize,
+            16usize,
+            16usize,
+            cmma::MatrixLayout::Undefined,
+            0.0,
+        );
+        let c10 = cmma::Matrix::<f32>::from_value(
+            cmma::MatrixIdent::Accumulator,
+            16usize,
+            16usize,
+            16usize,
+            cmma::MatrixLayout::Undefined,
+            0.0,
+        );
+        let c11 = cmma::Matrix::<f32>::from_value(
+            cmma::MatrixIdent::Accumulator,
+            16usize,
+            16usize,
+            16usize,
+            cmma::MatrixLayout::Undefined,
+            0.0,
+        );
         let mut k0 = 0usize;
         while k0 < k_total {
-            stage_tiles::<F>(x, inv_rms, gamma, w, &mut a_tile, &mut b_tile, m0, n0, k0, x_pitch, w_pitch, cfg);
+            stage_tiles::<F>(
+                x,
+                inv_rms,
+                gamma,
+                w,
+                &mut a_tile,
+                &mut b_tile,
+                m0,
+                n0,
+                k0,
+                x_pitch,
+                w_pitch,
+                cfg,
+            );
             sync_cube();
             #[unroll]
             for kk in 0..comptime!(bk / 16) {
-                let a0 = cmma::Matrix::<F>::from_slice(cmma::MatrixIdent::A, 16usize, 16usize, 16usize, cmma::MatrixLayout::RowMajor, &a_tile[pm * bk + kk * 16..a_elems], bk as u32);
-                let a1 = cmma::Matrix::<F>::from_slice(cmma::MatrixIdent::A, 16usize, 16usize, 16usize, cmma::MatrixLayout::RowMajor, &a_tile[(pm + 16) * bk + kk * 16..a_elems], bk as u32);
-                let b0 = cmma::Matrix::<F>::from_slice(cmma::MatrixIdent::B, 16usize, 16usize, 16usize, cmma::MatrixLayout::ColMajor, &b_tile[pn * bk + kk * 16..b_elems], bk as u32);
-                let b1 = cmma::Matrix::<F>::from_slice(cmma::MatrixIdent::B, 16usize, 16usize, 16usize, cmma::MatrixLayout::ColMajor, &b_tile[(pn + 16) * bk + kk * 16..b_elems], bk as u32);
+                let a0 = cmma::Matrix::<F>::from_slice(
+                    cmma::MatrixIdent::A,
+                    16usize,
+                    16usize,
+                    16usize,
+                    cmma::MatrixLayout::RowMajor,
+                    &a_tile[pm * bk + kk * 16..a_elems],
+                    bk as u32,
+                );
+                let a1 = cmma::Matrix::<F>::from_slice(
+                    cmma::MatrixIdent::A,
+                    16usize,
+                    16usize,
+                    16usize,
+                    cmma::MatrixLayout::RowMajor,
+                    &a_tile[(pm + 16) * bk + kk * 16..a_elems],
+                    bk as u32,
+                );
+                let b0 = cmma::Matrix::<F>::from_slice(
+                    cmma::MatrixIdent::B,
+                    16usize,
+                    16usize,
+                    16usize,
+                    cmma::MatrixLayout::ColMajor,
+                    &b_tile[pn * bk + kk * 16..b_elems],
+                    bk as u32,
+                );
+                let b1 = cmma::Matrix::<F>::from_slice(
+                    cmma::MatrixIdent::B,
+                    16usize,
+                    16usize,
+                    16usize,
+                    cmma::MatrixLayout::ColMajor,
+                    &b_tile[(pn + 16) * bk + kk * 16..b_elems],
+                    bk as u32,
+                );
                 cmma::execute(&a0, &b0, &c00, &c00);
                 cmma::execute(&a0, &b1, &c01, &c01);
                 cmma::execute(&a1, &b0, &c10, &c10);
@@ -279,10 +364,30 @@ pub fn linear_tiled<F: Float>(
             k0 += bk;
         }
         let c_elems = comptime!(bm * bn);
-        cmma::store(&mut c_tile[pm * bn + pn..c_elems], &c00, bn as u32, cmma::MatrixLayout::RowMajor);
-        cmma::store(&mut c_tile[pm * bn + pn + 16..c_elems], &c01, bn as u32, cmma::MatrixLayout::RowMajor);
-        cmma::store(&mut c_tile[(pm + 16) * bn + pn..c_elems], &c10, bn as u32, cmma::MatrixLayout::RowMajor);
-        cmma::store(&mut c_tile[(pm + 16) * bn + pn + 16..c_elems], &c11, bn as u32, cmma::MatrixLayout::RowMajor);
+        cmma::store(
+            &mut c_tile[pm * bn + pn..c_elems],
+            &c00,
+            bn as u32,
+            cmma::MatrixLayout::RowMajor,
+        );
+        cmma::store(
+            &mut c_tile[pm * bn + pn + 16..c_elems],
+            &c01,
+            bn as u32,
+            cmma::MatrixLayout::RowMajor,
+        );
+        cmma::store(
+            &mut c_tile[(pm + 16) * bn + pn..c_elems],
+            &c10,
+            bn as u32,
+            cmma::MatrixLayout::RowMajor,
+        );
+        cmma::store(
+            &mut c_tile[(pm + 16) * bn + pn + 16..c_elems],
+            &c11,
+            bn as u32,
+            cmma::MatrixLayout::RowMajor,
+        );
     } else {
         // FMA: unit `tid` owns rows `tm..tm+4`, features `tn..tn+4` of the tile.
         let cols = comptime!(bn / 4);
@@ -295,7 +400,20 @@ pub fn linear_tiled<F: Float>(
         }
         let mut k0 = 0usize;
         while k0 < k_total {
-            stage_tiles::<F>(x, inv_rms, gamma, w, &mut a_tile, &mut b_tile, m0, n0, k0, x_pitch, w_pitch, cfg);
+            stage_tiles::<F>(
+                x,
+                inv_rms,
+                gamma,
+                w,
+                &mut a_tile,
+                &mut b_tile,
+                m0,
+                n0,
+                k0,
+                x_pitch,
+                w_pitch,
+                cfg,
+            );
             sync_cube();
             for kk in 0..bk {
                 let mut a = Array::<f32>::new(4usize);
@@ -372,7 +490,9 @@ fn stage_tiles<F: Float>(
         let mut v = F::new(0.0);
         if m < m_total && k < k_total {
             if comptime!(cfg.has_norm) {
-                v = F::cast_from(f32::cast_from(x[m * x_pitch + k]) * inv_rms[m] * f32::cast_from(gamma[k]));
+                v = F::cast_from(
+                    f32::cast_from(x[m * x_pitch + k]) * inv_rms[m] * f32::cast_from(gamma[k]),
+                );
             } else {
                 v = x[m * x_pitch + k];
             }

@@ -33,12 +33,25 @@ pub(crate) fn fused_linear(
 
     // Row statistics (and the residual sum) once per row.
     let (h, inv_rms) = if gamma.is_some() || residual.is_some() {
-        let inv_rms = empty_device_dtype(x.client.clone(), x.device.clone(), Shape::new([m.max(1)]), DType::F32);
+        let inv_rms = empty_device_dtype(
+            x.client.clone(),
+            x.device.clone(),
+            Shape::new([m.max(1)]),
+            DType::F32,
+        );
         let h = match &residual {
-            Some(_) => empty_device_dtype(x.client.clone(), x.device.clone(), Shape::new([m, k]), dtype),
+            Some(_) => empty_device_dtype(
+                x.client.clone(),
+                x.device.clone(),
+                Shape::new([m, k]),
+                dtype,
+            ),
             None => x.clone(),
         };
-        let r = residual.clone().map(unit_inner_stride).unwrap_or_else(|| x.clone());
+        let r = residual
+            .clone()
+            .map(unit_inner_stride)
+            .unwrap_or_else(|| x.clone());
         if m > 0 {
             // SAFETY: one cube per row; every index is below the row's `K` (checked shapes).
             unsafe {
@@ -60,11 +73,21 @@ pub(crate) fn fused_linear(
         }
         (h, inv_rms)
     } else {
-        let inv_rms = empty_device_dtype(x.client.clone(), x.device.clone(), Shape::new([1]), DType::F32);
+        let inv_rms = empty_device_dtype(
+            x.client.clone(),
+            x.device.clone(),
+            Shape::new([1]),
+            DType::F32,
+        );
         (x.clone(), inv_rms)
     };
 
-    let out = empty_device_dtype(x.client.clone(), x.device.clone(), Shape::new([m, n]), dtype);
+    let out = empty_device_dtype(
+        x.client.clone(),
+        x.device.clone(),
+        Shape::new([m, n]),
+        dtype,
+    );
     if m == 0 || n == 0 {
         return (out, h);
     }
@@ -114,7 +137,11 @@ pub(crate) fn fused_linear(
             bm,
             bn,
             bk: if use_cmma { 64 } else { 32 },
-            cube_dim: if use_cmma { caps.cube_units } else { bm * bn / 16 },
+            cube_dim: if use_cmma {
+                caps.cube_units
+            } else {
+                bm * bn / 16
+            },
             has_norm,
             has_bias,
             use_cmma,

@@ -32,7 +32,10 @@ pub fn rms_norm_linear(
     bias: Option<Tensor<1>>,
     eps: f64,
 ) -> Tensor<2> {
-    expect_valid("rms_norm_linear", check_args(&x, None, Some(&norm_weight), &weight, bias.as_ref()));
+    expect_valid(
+        "rms_norm_linear",
+        check_args(&x, None, Some(&norm_weight), &weight, bias.as_ref()),
+    );
     if !crate::runs_kernels(&x) {
         return reference::rms_norm_linear(x, norm_weight, weight, bias, eps);
     }
@@ -56,7 +59,13 @@ pub fn add_rms_norm_linear(
 ) -> (Tensor<2>, Tensor<2>) {
     expect_valid(
         "add_rms_norm_linear",
-        check_args(&x, Some(&residual), Some(&norm_weight), &weight, bias.as_ref()),
+        check_args(
+            &x,
+            Some(&residual),
+            Some(&norm_weight),
+            &weight,
+            bias.as_ref(),
+        ),
     );
     if !crate::runs_kernels(&x) {
         return reference::add_rms_norm_linear(x, residual, norm_weight, weight, bias, eps);
@@ -98,7 +107,9 @@ fn dispatch(
     let placeholder = || x.clone().into_dispatch();
     let (y, h) = Dispatch::fused_linear(
         x.clone().into_dispatch(),
-        residual.map(Tensor::into_dispatch).unwrap_or_else(placeholder),
+        residual
+            .map(Tensor::into_dispatch)
+            .unwrap_or_else(placeholder),
         gamma.map(|g| g.into_dispatch()).unwrap_or_else(placeholder),
         weight.into_dispatch(),
         bias.map(|b| b.into_dispatch()).unwrap_or_else(placeholder),
@@ -121,30 +132,52 @@ pub fn check_args(
     let [n, wk] = weight.dims();
     let dtype = x.dtype();
     if !matches!(dtype, DType::F32 | DType::F16 | DType::BF16) {
-        return Err(KernelError::invalid(format!("x has dtype {dtype:?}; expected f32, f16 or bf16")));
+        return Err(KernelError::invalid(format!(
+            "x has dtype {dtype:?}; expected f32, f16 or bf16"
+        )));
     }
     if wk != k {
-        return Err(KernelError::invalid(format!("weight has shape {:?}; expected [N, {k}] for x of shape {:?}", weight.dims(), x.dims())));
+        return Err(KernelError::invalid(format!(
+            "weight has shape {:?}; expected [N, {k}] for x of shape {:?}",
+            weight.dims(),
+            x.dims()
+        )));
     }
     let same = |name: &str, d: DType| {
-        if d == dtype { Ok(()) } else { Err(KernelError::invalid(format!("{name} has dtype {d:?}, x has {dtype:?}"))) }
+        if d == dtype {
+            Ok(())
+        } else {
+            Err(KernelError::invalid(format!(
+                "{name} has dtype {d:?}, x has {dtype:?}"
+            )))
+        }
     };
     same("weight", weight.dtype())?;
     if let Some(r) = residual {
         if r.dims() != x.dims() {
-            return Err(KernelError::invalid(format!("residual has shape {:?}, x has {:?}", r.dims(), x.dims())));
+            return Err(KernelError::invalid(format!(
+                "residual has shape {:?}, x has {:?}",
+                r.dims(),
+                x.dims()
+            )));
         }
         same("residual", r.dtype())?;
     }
     if let Some(g) = norm_weight {
         if g.dims() != [k] {
-            return Err(KernelError::invalid(format!("norm_weight has shape {:?}; expected [{k}]", g.dims())));
+            return Err(KernelError::invalid(format!(
+                "norm_weight has shape {:?}; expected [{k}]",
+                g.dims()
+            )));
         }
         same("norm_weight", g.dtype())?;
     }
     if let Some(b) = bias {
         if b.dims() != [n] {
-            return Err(KernelError::invalid(format!("bias has shape {:?}; expected [{n}]", b.dims())));
+            return Err(KernelError::invalid(format!(
+                "bias has shape {:?}; expected [{n}]",
+                b.dims()
+            )));
         }
         same("bias", b.dtype())?;
     }

@@ -50,5 +50,8 @@ pub fn add_rms_norm_linear(
     eps: f64,
 ) -> (Tensor<2>, Tensor<2>) {
     let h = x + residual;
-    (rms_norm_linear(h.clone(), norm_weight, weight, bias, eps), h)
+    (
+        rms_norm_linear(h.clone(), norm_weight, weight, bias, eps),
+        h,
+    )
 }

@@ -24,13 +24,22 @@ pub fn rng(test: &str) -> StdRng {
 /// Random values in `[-scale, scale]`, rounded to `dtype` (so the reference sees exactly the
 /// kernel's inputs), returned as f32 host data.
 pub fn random(rng: &mut StdRng, n: usize, scale: f32, dtype: DType) -> Vec<f32> {
-    let v: Vec<f32> = (0..n).map(|_| (rng.random::<f32>() * 2.0 - 1.0) * scale).collect();
-    let data = TensorData::new(v, [n]).convert_dtype(dtype).convert_dtype(DType::F32);
+    let v: Vec<f32> = (0..n)
+        .map(|_| (rng.random::<f32>() * 2.0 - 1.0) * scale)
+        .collect();
+    let data = TensorData::new(v, [n])
+        .convert_dtype(dtype)
+        .convert_dtype(DType::F32);
     data.try_into_vec_as::<f32>().unwrap()
 }
 
 /// Host values as a tensor of `dtype` on `device`.
-pub fn tensor<const D: usize>(values: &[f32], shape: [usize; D], dtype: DType, device: &Device) -> Tensor<D> {
+pub fn tensor<const D: usize>(
+    values: &[f32],
+    shape: [usize; D],
+    dtype: DType,
+    device: &Device,
+) -> Tensor<D> {
     Tensor::from_data(TensorData::new(values.to_vec(), shape), (device, dtype))
 }
 
@@ -43,7 +52,10 @@ pub fn host<const D: usize>(t: Tensor<D>) -> Vec<f32> {
 pub fn poison_pool(device: &Device, bytes: usize) {
     for size in [bytes, bytes / 2, bytes / 4, 4096] {
         let n = (size / 4).max(1);
-        let t = Tensor::<1>::from_data(TensorData::new(vec![f32::NAN; n], [n]), (device, DType::F32));
+        let t = Tensor::<1>::from_data(
+            TensorData::new(vec![f32::NAN; n], [n]),
+            (device, DType::F32),
+        );
         device.sync().unwrap();
         drop(t);
     }
@@ -54,9 +66,16 @@ pub fn poison_pool(device: &Device, bytes: usize) {
 pub fn rel_error(what: &str, actual: &[f32], expected: &[f32]) -> f64 {
     assert_eq!(actual.len(), expected.len(), "{what}: length");
     if let Some(i) = actual.iter().position(|v| !v.is_finite()) {
-        panic!("{what}: non-finite output at {i} ({}) — unwritten or overflowed", actual[i]);
+        panic!(
+            "{what}: non-finite output at {i} ({}) — unwritten or overflowed",
+            actual[i]
+        );
     }
-    let num: f64 = actual.iter().zip(expected).map(|(a, b)| ((a - b) as f64).powi(2)).sum();
+    let num: f64 = actual
+        .iter()
+        .zip(expected)
+        .map(|(a, b)| ((a - b) as f64).powi(2))
+        .sum();
     let den: f64 = expected.iter().map(|b| (*b as f64).powi(2)).sum();
     (num / den.max(1e-30)).sqrt()
 }

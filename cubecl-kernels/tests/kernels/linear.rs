@@ -7,7 +7,14 @@ use super::common::*;
 
 /// Awkward shapes: M = 1, 3 (skinny kernel), 257 (tiled, ragged last tile); K not a multiple
 /// of any tile or vector; N = 1 and ragged.
-const SHAPES: [(usize, usize, usize); 6] = [(1, 96, 1), (1, 100, 67), (3, 37, 130), (3, 128, 5), (257, 72, 67), (40, 24, 33)];
+const SHAPES: [(usize, usize, usize); 6] = [
+    (1, 96, 1),
+    (1, 100, 67),
+    (3, 37, 130),
+    (3, 128, 5),
+    (257, 72, 67),
+    (40, 24, 33),
+];
 
 struct Case {
     m: usize,
@@ -43,7 +50,10 @@ fn check(name: &str, c: &Case, bias: bool) {
     let dt = c.dtype;
     let what = format!("{name} {:?} M={} K={} N={} bias={bias}", dt, c.m, c.k, c.n);
     let eps = 1e-6;
-    let run = |dev: &burn::tensor::Device, dtype: DType, kernel: bool| -> (Vec<f32>, Option<Vec<f32>>) {
+    let run = |dev: &burn::tensor::Device,
+               dtype: DType,
+               kernel: bool|
+     -> (Vec<f32>, Option<Vec<f32>>) {
         let x = tensor(&c.x, [c.m, c.k], dtype, dev);
         let r = tensor(&c.r, [c.m, c.k], dtype, dev);
         let g = tensor(&c.g, [c.k], dtype, dev);
@@ -55,7 +65,9 @@ fn check(name: &str, c: &Case, bias: bool) {
         match (name, kernel) {
             ("linear", true) => (host(cubecl_kernels::linear(x, w, b)), None),
             ("linear", false) => (host(reference::linear(x, w, b)), None),
-            ("rms_norm_linear", true) => (host(cubecl_kernels::rms_norm_linear(x, g, w, b, eps)), None),
+            ("rms_norm_linear", true) => {
+                (host(cubecl_kernels::rms_norm_linear(x, g, w, b, eps)), None)
+            }
             ("rms_norm_linear", false) => (host(reference::rms_norm_linear(x, g, w, b, eps)), None),
             ("add_rms_norm_linear", true) => {
                 let (y, h) = cubecl_kernels::add_rms_norm_linear(x, r, g, w, b, eps);
@@ -106,17 +118,24 @@ fn invalid_arguments_are_refused_with_the_operand_named() {
     let x = tensor(&[1.0; 8], [2, 4], DType::F32, &dev);
     let w = tensor(&[1.0; 15], [3, 5], DType::F32, &dev);
     let g = tensor(&[1.0; 4], [4], DType::F32, &dev);
-    let err = cubecl_kernels::check_args(&x, None, Some(&g), &w, None).unwrap_err().to_string();
+    let err = cubecl_kernels::check_args(&x, None, Some(&g), &w, None)
+        .unwrap_err()
+        .to_string();
     assert!(err.contains("weight has shape [3, 5]"), "{err}");
     let w = tensor(&[1.0; 12], [3, 4], DType::BF16, &dev);
-    let err = cubecl_kernels::check_args(&x, None, Some(&g), &w, None).unwrap_err().to_string();
+    let err = cubecl_kernels::check_args(&x, None, Some(&g), &w, None)
+        .unwrap_err()
+        .to_string();
     assert!(err.contains("weight has dtype BF16"), "{err}");
     let w = tensor(&[1.0; 12], [3, 4], DType::F32, &dev);
     let b = tensor(&[1.0; 4], [4], DType::F32, &dev);
-    let err = cubecl_kernels::check_args(&x, None, Some(&g), &w, Some(&b)).unwrap_err().to_string();
+    let err = cubecl_kernels::check_args(&x, None, Some(&g), &w, Some(&b))
+        .unwrap_err()
+        .to_string();
     assert!(err.contains("bias has shape [4]"), "{err}");
-    let panic = std::panic::catch_unwind(|| cubecl_kernels::linear(x.clone(), w.clone(), Some(b.clone()))).unwrap_err();
+    let panic =
+        std::panic::catch_unwind(|| cubecl_kernels::linear(x.clone(), w.clone(), Some(b.clone())))
+            .unwrap_err();
     let msg = panic.downcast_ref::<String>().unwrap();
     assert!(msg.starts_with("linear: bias has shape [4]"), "{msg}");
 }
-

@@ -1,6 +1,7 @@
 use burn::module::Module;
 use burn::tensor::Tensor;
-use cubecl_kernels::{AttentionMetadata, LayerKvCache};
+use cubecl_kernels::attention::reference;
+use cubecl_kernels::{AttentionMetadata, LayerKvCache, QkNorm};
 
 use super::{Linear, RmsNorm, RotaryEmbedding};
 
@@ -28,21 +29,29 @@ pub struct Qwen2Attention {
 
 impl Qwen2Attention {
     /// Splits the merged projection into `q [T, heads, d]`, `k [T, kv_heads, d]`,
-    /// `v [T, kv_heads, d]` and applies Qwen3's q/k norms (before RoPE).
+    /// `v [T, kv_heads, d]` and applies Qwen3's q/k norms (before RoPE), with plain Burn ops
+    /// (the forward pass does this inside [`cubecl_kernels::rope_store_kv`]).
     pub fn split_qkv(&self, qkv: Tensor<2>) -> (Tensor<3>, Tensor<3>, Tensor<3>) {
-        let t = qkv.dims()[0];
-        let (hq, hkv, d) = (self.num_heads, self.num_kv_heads, self.head_dim);
-        let q = qkv.clone().slice_dim(1, 0..hq * d).reshape([t, hq, d]);
-        let k = qkv.clone().slice_dim(1, hq * d..(hq + hkv) * d).reshape([t, hkv, d]);
-        let v = qkv.slice_dim(1, (hq + hkv) * d..(hq + 2 * hkv) * d).reshape([t, hkv, d]);
-        let per_head = |norm: &Option<RmsNorm>, x: Tensor<3>| match norm {
-            Some(norm) => {
-                let [t, h, d] = x.dims();
-                norm.forward(x.reshape([t * h, d])).reshape([t, h, d])
-            }
-            None => x,
-        };
-        (per_head(&self.q_norm, q), per_head(&self.k_norm, k), v)
+        let (q, k, v) = reference::split_qkv(qkv, self.num_heads, self.num_kv_heads, self.head_dim);
+        match self.qk_norm() {
+            Some(n) => (
+                reference::head_rms_norm(q, n.q, n.eps),
+                reference::head_rms_norm(k, n.k, n.eps),
+                v,
+            ),
+            None => (q, k, v),
+        }
+    }
+
+    fn qk_norm(&self) -> Option<QkNorm<'_>> {
+        match (&self.q_norm, &self.k_norm) {
+            (Some(q), Some(k)) => Some(QkNorm {
+                q: &q.weight,
+                k: &k.weight,
+                eps: q.eps,
+            }),
+            _ => None,
+        }
     }
 
     /// Attention output before `o_proj`, `[T, heads·head_dim]`, from the merged projection
@@ -55,12 +64,16 @@ impl Qwen2Attention {
         cache: &mut LayerKvCache,
     ) -> Tensor<2> {
         let t = qkv.dims()[0];
-        let (q, k, v) = self.split_qkv(qkv);
-        let positions = meta.tensors.positions.clone();
-        let q = rotary.apply(q, positions.clone());
-        let k = rotary.apply(k, positions);
-        cubecl_kernels::store_kv(cache, k, v, meta);
+        let q = cubecl_kernels::rope_store_kv(
+            qkv,
+            self.num_heads,
+            self.qk_norm(),
+            rotary.rope(),
+            meta,
+            cache,
+        );
         let scale = 1.0 / (self.head_dim as f32).sqrt();
-        cubecl_kernels::paged_attention(q, cache, meta, scale).reshape([t, self.num_heads * self.head_dim])
+        cubecl_kernels::paged_attention(q, cache, meta, scale)
+            .reshape([t, self.num_heads * self.head_dim])
     }
 }

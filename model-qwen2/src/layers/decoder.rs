@@ -32,13 +32,22 @@ impl Qwen2DecoderLayer {
         cache: &mut LayerKvCache,
     ) -> (Tensor<2>, Tensor<2>) {
         let (qkv, residual) = match residual {
-            Some(r) => self.input_layernorm.forward_add_linear(x, r, &self.self_attn.qkv_proj),
-            None => (self.input_layernorm.forward_linear(x.clone(), &self.self_attn.qkv_proj), x),
+            Some(r) => self
+                .input_layernorm
+                .forward_add_linear(x, r, &self.self_attn.qkv_proj),
+            None => (
+                self.input_layernorm
+                    .forward_linear(x.clone(), &self.self_attn.qkv_proj),
+                x,
+            ),
         };
         let attn = self.self_attn.attend(qkv, rotary, meta, cache);
         let attn = self.self_attn.o_proj.forward(attn);
-        let (gate_up, residual) =
-            self.post_attention_layernorm.forward_add_linear(attn, residual, &self.mlp.gate_up_proj);
+        let (gate_up, residual) = self.post_attention_layernorm.forward_add_linear(
+            attn,
+            residual,
+            &self.mlp.gate_up_proj,
+        );
         (self.mlp.forward_from_gate_up(gate_up), residual)
     }
 }

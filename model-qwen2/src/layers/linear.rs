@@ -16,7 +16,10 @@ pub struct Linear {
 impl Linear {
     /// Wraps loaded tensors.
     pub fn new(weight: Tensor<2>, bias: Option<Tensor<1>>) -> Self {
-        Self { weight: Param::from_tensor(weight), bias: bias.map(Param::from_tensor) }
+        Self {
+            weight: Param::from_tensor(weight),
+            bias: bias.map(Param::from_tensor),
+        }
     }
 
     /// `x [M, in]` → `[M, out]`.

@@ -15,7 +15,10 @@ pub struct RmsNorm {
 impl RmsNorm {
     /// Wraps a loaded weight.
     pub fn new(weight: Tensor<1>, eps: f64) -> Self {
-        Self { weight: Param::from_tensor(weight), eps }
+        Self {
+            weight: Param::from_tensor(weight),
+            eps,
+        }
     }
 
     /// Normalises the last dimension of `x [M, dim]`.
@@ -35,7 +38,12 @@ impl RmsNorm {
     }
 
     /// `h = x + residual; rms_norm(h) · Wᵀ (+ b)` in one op; returns `(y [M, out], h [M, dim])`.
-    pub fn forward_add_linear(&self, x: Tensor<2>, residual: Tensor<2>, linear: &Linear) -> (Tensor<2>, Tensor<2>) {
+    pub fn forward_add_linear(
+        &self,
+        x: Tensor<2>,
+        residual: Tensor<2>,
+        linear: &Linear,
+    ) -> (Tensor<2>, Tensor<2>) {
         cubecl_kernels::add_rms_norm_linear(
             x,
             residual,

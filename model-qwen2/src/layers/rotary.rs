@@ -1,5 +1,6 @@
 use burn::module::Module;
-use burn::tensor::{Device, FloatDType, Int, Tensor, TensorData};
+use burn::tensor::{Device, Int, Tensor, TensorData};
+use cubecl_kernels::Rope;
 
 /// Rotary position embedding in the rotate-half (GPT-NeoX) layout used by Qwen: element `j`
 /// pairs with `j + head_dim/2`, angle `p · θ^(−2j/head_dim)`.
@@ -28,8 +29,16 @@ impl RotaryEmbedding {
                 sin.push(angle.sin() as f32);
             }
         }
-        let table = |v: Vec<f32>| Tensor::from_data(TensorData::new(v, [max_positions, half]), (device, burn::tensor::DType::F32));
-        Self { cos: table(cos), sin: table(sin) }
+        let table = |v: Vec<f32>| {
+            Tensor::from_data(
+                TensorData::new(v, [max_positions, half]),
+                (device, burn::tensor::DType::F32),
+            )
+        };
+        Self {
+            cos: table(cos),
+            sin: table(sin),
+        }
     }
 
     /// `1 / θ^(2j / head_dim)` for `j < head_dim / 2`, rounded as f32 (Hugging Face's `inv_freq`).
@@ -49,18 +58,16 @@ impl RotaryEmbedding {
         self.cos.dims()[0]
     }
 
+    /// The tables as the attention ops take them.
+    pub fn rope(&self) -> Rope<'_> {
+        Rope {
+            cos: &self.cos,
+            sin: &self.sin,
+        }
+    }
+
     /// Rotates `x [num_tokens, heads, head_dim]` by each token's position (`positions [num_tokens]`).
     pub fn apply(&self, x: Tensor<3>, positions: Tensor<1, Int>) -> Tensor<3> {
-        let [t, _, d] = x.dims();
-        let half = d / 2;
-        let dtype = x.dtype();
-        let cos = self.cos.clone().select(0, positions.clone()).reshape([t, 1, half]);
-        let sin = self.sin.clone().select(0, positions).reshape([t, 1, half]);
-        let x = x.cast(FloatDType::F32);
-        let x1 = x.clone().slice_dim(2, 0..half);
-        let x2 = x.slice_dim(2, half..d);
-        let out1 = x1.clone() * cos.clone() - x2.clone() * sin.clone();
-        let out2 = x2 * cos + x1 * sin;
-        Tensor::cat(vec![out1, out2], 2).cast(dtype)
+        cubecl_kernels::attention::reference::apply_rope(x, self.rope(), positions)
     }
 }

@@ -5,10 +5,17 @@ use model_qwen2::{AttentionMetadata, KvCache, LogitsRows, Qwen2Model};
 use safetensors::SafeTensors;
 
 /// The four tiny checkpoints with goldens.
-pub const CHECKPOINTS: [&str; 4] = ["qwen2-tiny-untied", "qwen2-tiny-tied", "qwen3-tiny", "qwen3-tiny-hd32"];
+pub const CHECKPOINTS: [&str; 4] = [
+    "qwen2-tiny-untied",
+    "qwen2-tiny-tied",
+    "qwen3-tiny",
+    "qwen3-tiny-hd32",
+];
 
 pub fn fixture(name: &str) -> PathBuf {
-    Path::new(env!("CARGO_MANIFEST_DIR")).join("../fixtures").join(name)
+    Path::new(env!("CARGO_MANIFEST_DIR"))
+        .join("../fixtures")
+        .join(name)
 }
 
 pub fn device() -> Device {
@@ -25,26 +32,40 @@ impl Golden {
     pub fn load(checkpoint: &str) -> Self {
         let dir = fixture(checkpoint);
         let bytes = std::fs::read(dir.join("golden.safetensors")).unwrap();
-        let json = serde_json::from_str(&std::fs::read_to_string(dir.join("golden.json")).unwrap()).unwrap();
+        let json = serde_json::from_str(&std::fs::read_to_string(dir.join("golden.json")).unwrap())
+            .unwrap();
         Self { bytes, json }
     }
 
     pub fn has(&self, name: &str) -> bool {
-        SafeTensors::deserialize(&self.bytes).unwrap().tensor(name).is_ok()
+        SafeTensors::deserialize(&self.bytes)
+            .unwrap()
+            .tensor(name)
+            .is_ok()
     }
 
     pub fn f32s(&self, name: &str) -> Vec<f32> {
         let st = SafeTensors::deserialize(&self.bytes).unwrap();
-        let t = st.tensor(name).unwrap_or_else(|_| panic!("golden tensor {name}"));
+        let t = st
+            .tensor(name)
+            .unwrap_or_else(|_| panic!("golden tensor {name}"));
         assert_eq!(t.dtype(), safetensors::Dtype::F32, "{name}");
-        t.data().chunks_exact(4).map(|b| f32::from_le_bytes(b.try_into().unwrap())).collect()
+        t.data()
+            .chunks_exact(4)
+            .map(|b| f32::from_le_bytes(b.try_into().unwrap()))
+            .collect()
     }
 
     pub fn ids(&self, name: &str) -> Vec<u32> {
         let st = SafeTensors::deserialize(&self.bytes).unwrap();
-        let t = st.tensor(name).unwrap_or_else(|_| panic!("golden tensor {name}"));
+        let t = st
+            .tensor(name)
+            .unwrap_or_else(|_| panic!("golden tensor {name}"));
         assert_eq!(t.dtype(), safetensors::Dtype::I64, "{name}");
-        t.data().chunks_exact(8).map(|b| i64::from_le_bytes(b.try_into().unwrap()) as u32).collect()
+        t.data()
+            .chunks_exact(8)
+            .map(|b| i64::from_le_bytes(b.try_into().unwrap()) as u32)
+            .collect()
     }
 
     pub fn num_prompts(&self) -> usize {
@@ -53,7 +74,11 @@ impl Golden {
 }
 
 pub fn load_model(checkpoint: &str) -> Qwen2Model {
-    Qwen2Model::from_pretrained(fixture(checkpoint), DType::F32, &device()).unwrap()
+    load_model_on(checkpoint, &device())
+}
+
+pub fn load_model_on(checkpoint: &str, device: &Device) -> Qwen2Model {
+    Qwen2Model::from_pretrained(fixture(checkpoint), DType::F32, device).unwrap()
 }
 
 pub fn to_vec<const D: usize>(t: Tensor<D>) -> Vec<f32> {
@@ -62,18 +87,30 @@ pub fn to_vec<const D: usize>(t: Tensor<D>) -> Vec<f32> {
 
 pub fn max_abs_diff(a: &[f32], b: &[f32]) -> f32 {
     assert_eq!(a.len(), b.len(), "length mismatch");
-    a.iter().zip(b).map(|(x, y)| (x - y).abs()).fold(0.0, f32::max)
+    a.iter()
+        .zip(b)
+        .map(|(x, y)| (x - y).abs())
+        .fold(0.0, f32::max)
 }
 
 #[track_caller]
 pub fn assert_close(what: &str, actual: &[f32], expected: &[f32], tol: f32) {
-    assert!(actual.iter().all(|v| v.is_finite()), "{what}: non-finite output");
+    assert!(
+        actual.iter().all(|v| v.is_finite()),
+        "{what}: non-finite output"
+    );
     let d = max_abs_diff(actual, expected);
     assert!(d <= tol, "{what}: max |Δ| = {d:e} > {tol:e}");
 }
 
 pub fn argmax(row: &[f32]) -> u32 {
-    row.iter().enumerate().fold((0, f32::NEG_INFINITY), |b, (i, &v)| if v > b.1 { (i, v) } else { b }).0 as u32
+    row.iter()
+        .enumerate()
+        .fold(
+            (0, f32::NEG_INFINITY),
+            |b, (i, &v)| if v > b.1 { (i, v) } else { b },
+        )
+        .0 as u32
 }
 
 /// Hands out KV blocks in a scrambled order so that block tables are never contiguous.
@@ -107,9 +144,17 @@ pub struct Seq {
 
 /// Runs one step over `seqs`, each contributing all its not-yet-cached tokens, and returns the
 /// logits `rows` as host rows.
-pub fn step(model: &Qwen2Model, cache: &mut KvCache, seqs: &mut [Seq], rows: LogitsRows) -> Vec<Vec<f32>> {
-    let device = device();
-    let ids: Vec<u32> = seqs.iter().flat_map(|s| s.tokens[s.cached..].to_vec()).collect();
+pub fn step(
+    model: &Qwen2Model,
+    cache: &mut KvCache,
+    seqs: &mut [Seq],
+    rows: LogitsRows,
+) -> Vec<Vec<f32>> {
+    let device = model.embed_tokens.val().device();
+    let ids: Vec<u32> = seqs
+        .iter()
+        .flat_map(|s| s.tokens[s.cached..].to_vec())
+        .collect();
     let meta = AttentionMetadata::new(
         seqs.iter().map(|s| s.tokens.len() - s.cached).collect(),
         seqs.iter().map(|s| s.tokens.len()).collect(),
@@ -131,10 +176,22 @@ pub fn step(model: &Qwen2Model, cache: &mut KvCache, seqs: &mut [Seq], rows: Log
 /// decode together), with the KV cache. Returns each sequence's per-step logits.
 pub fn greedy_batch(model: &Qwen2Model, prompts: &[Vec<u32>], n: usize) -> Vec<Vec<Vec<f32>>> {
     let mut blocks = Blocks::new(64 * prompts.len());
-    let mut cache = KvCache::new(&model.config, 64 * prompts.len(), BLOCK_SIZE, DType::F32, &device()).unwrap();
+    let device = model.embed_tokens.val().device();
+    let mut cache = KvCache::new(
+        &model.config,
+        64 * prompts.len(),
+        BLOCK_SIZE,
+        DType::F32,
+        &device,
+    )
+    .unwrap();
     let mut seqs: Vec<Seq> = prompts
         .iter()
-        .map(|p| Seq { tokens: p.clone(), table: blocks.take((p.len() + n).div_ceil(BLOCK_SIZE)), cached: 0 })
+        .map(|p| Seq {
+            tokens: p.clone(),
+            table: blocks.take((p.len() + n).div_ceil(BLOCK_SIZE)),
+            cached: 0,
+        })
         .collect();
     let mut out = vec![Vec::new(); prompts.len()];
     for _ in 0..n {

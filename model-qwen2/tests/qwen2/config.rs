@@ -6,15 +6,35 @@ use super::common::{CHECKPOINTS, fixture};
 fn parses_every_fixture_config() {
     for name in CHECKPOINTS {
         let c = Qwen2Config::from_file(fixture(name).join("config.json")).unwrap();
-        assert_eq!(c.num_hidden_layers > 0, true, "{name}");
+        assert!(c.num_hidden_layers > 0, "{name}");
         match name {
             "qwen2-tiny-tied" => {
-                assert_eq!((c.architecture, c.head_dim, c.tie_word_embeddings, c.attention_bias), (Architecture::Qwen2, 8, true, true));
-                assert_eq!((c.vocab_size, c.eos_token_ids.clone()), (151936, vec![151645]));
+                assert_eq!(
+                    (
+                        c.architecture,
+                        c.head_dim,
+                        c.tie_word_embeddings,
+                        c.attention_bias
+                    ),
+                    (Architecture::Qwen2, 8, true, true)
+                );
+                assert_eq!(
+                    (c.vocab_size, c.eos_token_ids.clone()),
+                    (151936, vec![151645])
+                );
             }
-            "qwen2-tiny-untied" => assert_eq!((c.head_dim, c.tie_word_embeddings, c.qk_norm), (8, false, false)),
-            "qwen3-tiny" => assert_eq!((c.architecture, c.head_dim, c.qk_norm, c.attention_bias), (Architecture::Qwen3, 16, true, false)),
-            "qwen3-tiny-hd32" => assert_eq!((c.head_dim, c.q_size(), c.tie_word_embeddings), (32, 128, true)),
+            "qwen2-tiny-untied" => assert_eq!(
+                (c.head_dim, c.tie_word_embeddings, c.qk_norm),
+                (8, false, false)
+            ),
+            "qwen3-tiny" => assert_eq!(
+                (c.architecture, c.head_dim, c.qk_norm, c.attention_bias),
+                (Architecture::Qwen3, 16, true, false)
+            ),
+            "qwen3-tiny-hd32" => assert_eq!(
+                (c.head_dim, c.q_size(), c.tie_word_embeddings),
+                (32, 128, true)
+            ),
             _ => unreachable!(),
         }
         assert_eq!(c.rope_theta, 1e6);
@@ -36,8 +56,14 @@ fn assert_refused(result: Result<Qwen2Config, ModelError>, field: &str) {
 
 #[test]
 fn refuses_unsupported_settings_naming_the_field() {
-    assert_refused(edited(|j| j["architectures"] = serde_json::json!(["LlamaForCausalLM"])), "architectures");
-    assert_refused(edited(|j| j["use_sliding_window"] = true.into()), "use_sliding_window");
+    assert_refused(
+        edited(|j| j["architectures"] = serde_json::json!(["LlamaForCausalLM"])),
+        "architectures",
+    );
+    assert_refused(
+        edited(|j| j["use_sliding_window"] = true.into()),
+        "use_sliding_window",
+    );
     assert_refused(
         edited(|j| j["rope_scaling"] = serde_json::json!({"type": "yarn", "factor": 4.0})),
         "rope_scaling.type",
@@ -47,7 +73,10 @@ fn refuses_unsupported_settings_naming_the_field() {
         "rope_scaling.rope_type",
     );
     assert_refused(edited(|j| j["hidden_act"] = "gelu".into()), "hidden_act");
-    assert_refused(edited(|j| j["num_key_value_heads"] = 3.into()), "num_key_value_heads");
+    assert_refused(
+        edited(|j| j["num_key_value_heads"] = 3.into()),
+        "num_key_value_heads",
+    );
     // sliding_window set but switched off, as in real Qwen2.5 configs, is fine.
     edited(|j| j["sliding_window"] = 4096.into()).unwrap();
     // transformers 5 moves rope_theta into rope_parameters.

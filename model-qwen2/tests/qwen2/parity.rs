@@ -23,7 +23,9 @@ fn check_row(what: &str, row: &[f32], full: Option<&[f32]>, top5: Option<(&[u32]
 }
 
 fn prompt_ids(golden: &Golden) -> Vec<Vec<u32>> {
-    (0..golden.num_prompts()).map(|i| golden.ids(&format!("prompt.{i}.input_ids"))).collect()
+    (0..golden.num_prompts())
+        .map(|i| golden.ids(&format!("prompt.{i}.input_ids")))
+        .collect()
 }
 
 /// Prompt logits at every position, each prompt alone in its own batch.
@@ -34,22 +36,45 @@ fn prompt_logits_match_transformers() {
         let golden = Golden::load(name);
         let v = model.config.vocab_size;
         for (i, ids) in prompt_ids(&golden).iter().enumerate() {
-            let mut cache = KvCache::new(&model.config, 16, BLOCK_SIZE, DType::F32, &device()).unwrap();
-            let mut seqs = [Seq { tokens: ids.clone(), table: Blocks::new(16).take(ids.len().div_ceil(BLOCK_SIZE)), cached: 0 }];
+            let mut cache =
+                KvCache::new(&model.config, 16, BLOCK_SIZE, DType::F32, &device()).unwrap();
+            let mut seqs = [Seq {
+                tokens: ids.clone(),
+                table: Blocks::new(16).take(ids.len().div_ceil(BLOCK_SIZE)),
+                cached: 0,
+            }];
             let rows = step(&model, &mut cache, &mut seqs, LogitsRows::All);
             assert_eq!(rows.len(), ids.len());
             let key = format!("prompt.{i}");
             if golden.has(&format!("{key}.logits")) {
                 let full = golden.f32s(&format!("{key}.logits"));
                 for (p, row) in rows.iter().enumerate() {
-                    check_row(&format!("{name} {key} pos {p}"), row, Some(&full[p * v..(p + 1) * v]), None);
+                    check_row(
+                        &format!("{name} {key} pos {p}"),
+                        row,
+                        Some(&full[p * v..(p + 1) * v]),
+                        None,
+                    );
                 }
             } else {
                 let last = golden.f32s(&format!("{key}.last_logits"));
-                assert_close(&format!("{name} {key} last logits"), rows.last().unwrap(), &last, TOL);
-                let (t5, t5l) = (golden.ids(&format!("{key}.top5_ids")), golden.f32s(&format!("{key}.top5_logits")));
+                assert_close(
+                    &format!("{name} {key} last logits"),
+                    rows.last().unwrap(),
+                    &last,
+                    TOL,
+                );
+                let (t5, t5l) = (
+                    golden.ids(&format!("{key}.top5_ids")),
+                    golden.f32s(&format!("{key}.top5_logits")),
+                );
                 for (p, row) in rows.iter().enumerate() {
-                    check_row(&format!("{name} {key} pos {p}"), row, None, Some((&t5[p * 5..p * 5 + 5], &t5l[p * 5..p * 5 + 5])));
+                    check_row(
+                        &format!("{name} {key} pos {p}"),
+                        row,
+                        None,
+                        Some((&t5[p * 5..p * 5 + 5], &t5l[p * 5..p * 5 + 5])),
+                    );
                 }
             }
         }
@@ -61,34 +86,60 @@ fn prompt_logits_match_transformers() {
 #[test]
 fn greedy_continuations_with_kv_cache_batched_and_alone() {
     for name in CHECKPOINTS {
-        let model = load_model(name);
+        check_greedy(&load_model(name), name, true);
+    }
+}
+
+/// The whole model on the CubeCL CPU runtime, i.e. with our kernels (fused RMSNorm + linear,
+/// RoPE + KV write, paged prefill and decode attention) instead of the plain-Burn references.
+#[test]
+fn kernels_on_cubecl_cpu_match_transformers() {
+    let device = burn::tensor::Device::cpu();
+    for name in CHECKPOINTS {
+        check_greedy(&load_model_on(name, &device), name, false);
+    }
+}
+
+fn check_greedy(model: &Qwen2Model, name: &str, alone_too: bool) {
+    {
         let golden = Golden::load(name);
         let prompts = prompt_ids(&golden);
         let v = model.config.vocab_size;
-        let batched = greedy_batch(&model, &prompts, 24);
+        let batched = greedy_batch(model, &prompts, 24);
         for (i, steps) in batched.iter().enumerate() {
             let key = format!("prompt.{i}");
             let want = golden.ids(&format!("{key}.greedy_ids"));
             let got: Vec<u32> = steps.iter().map(|r| argmax(r)).collect();
             assert_eq!(got, want, "{name} {key}: greedy ids");
-            let full = golden.has(&format!("{key}.greedy_logits")).then(|| golden.f32s(&format!("{key}.greedy_logits")));
-            let top5 = golden
-                .has(&format!("{key}.greedy_top5_ids"))
-                .then(|| (golden.ids(&format!("{key}.greedy_top5_ids")), golden.f32s(&format!("{key}.greedy_top5_logits"))));
+            let full = golden
+                .has(&format!("{key}.greedy_logits"))
+                .then(|| golden.f32s(&format!("{key}.greedy_logits")));
+            let top5 = golden.has(&format!("{key}.greedy_top5_ids")).then(|| {
+                (
+                    golden.ids(&format!("{key}.greedy_top5_ids")),
+                    golden.f32s(&format!("{key}.greedy_top5_logits")),
+                )
+            });
             for (t, row) in steps.iter().enumerate() {
                 check_row(
                     &format!("{name} {key} step {t}"),
                     row,
                     full.as_ref().map(|f| &f[t * v..(t + 1) * v]),
-                    top5.as_ref().map(|(a, b)| (&a[t * 5..t * 5 + 5], &b[t * 5..t * 5 + 5])),
+                    top5.as_ref()
+                        .map(|(a, b)| (&a[t * 5..t * 5 + 5], &b[t * 5..t * 5 + 5])),
                 );
             }
         }
         // The same sequences alone: identical logits up to f32 reduction-order noise.
-        for i in [0, 3, 5] {
-            let alone = greedy_batch(&model, &prompts[i..i + 1], 24);
+        for i in [0, 3, 5].into_iter().filter(|_| alone_too) {
+            let alone = greedy_batch(model, &prompts[i..i + 1], 24);
             for t in 0..24 {
-                assert_close(&format!("{name} prompt {i} step {t}: alone vs batched"), &alone[0][t], &batched[i][t], 1e-5);
+                assert_close(
+                    &format!("{name} prompt {i} step {t}: alone vs batched"),
+                    &alone[0][t],
+                    &batched[i][t],
+                    1e-5,
+                );
             }
         }
     }
@@ -105,15 +156,25 @@ fn chunked_prefill_over_cached_prefix() {
         let ids = golden.ids("prompt.5.input_ids"); // 100 tokens
         let full = golden.f32s("prompt.5.logits");
         for split in [1, 16, 17, 63] {
-            let mut cache = KvCache::new(&model.config, 16, BLOCK_SIZE, DType::F32, &device()).unwrap();
-            let mut seqs = [Seq { tokens: ids[..split].to_vec(), table: Blocks::new(16).take(7), cached: 0 }];
+            let mut cache =
+                KvCache::new(&model.config, 16, BLOCK_SIZE, DType::F32, &device()).unwrap();
+            let mut seqs = [Seq {
+                tokens: ids[..split].to_vec(),
+                table: Blocks::new(16).take(7),
+                cached: 0,
+            }];
             step(&model, &mut cache, &mut seqs, LogitsRows::All);
             seqs[0].tokens = ids.clone();
             let rows = step(&model, &mut cache, &mut seqs, LogitsRows::All);
             assert_eq!(rows.len(), ids.len() - split);
             for (j, row) in rows.iter().enumerate() {
                 let p = split + j;
-                assert_close(&format!("{name} split {split} pos {p}"), row, &full[p * v..(p + 1) * v], TOL);
+                assert_close(
+                    &format!("{name} split {split} pos {p}"),
+                    row,
+                    &full[p * v..(p + 1) * v],
+                    TOL,
+                );
             }
         }
     }
@@ -139,7 +200,13 @@ fn check_activations(name: &str, model: &Qwen2Model, golden: &Golden, p: usize) 
     let check = |k: &str, t: Vec<f32>| assert_close(&format!("{name} p{p} {k}"), &t, &act(k), TOL);
     let layer = &model.layers[0];
     let attn = &layer.self_attn;
-    let meta = AttentionMetadata::prefill(vec![l], vec![Blocks::new(8).take(l.div_ceil(BLOCK_SIZE))], BLOCK_SIZE, &device).unwrap();
+    let meta = AttentionMetadata::prefill(
+        vec![l],
+        vec![Blocks::new(8).take(l.div_ceil(BLOCK_SIZE))],
+        BLOCK_SIZE,
+        &device,
+    )
+    .unwrap();
     let input = model.input_ids(&ids, &device).unwrap();
 
     let embed = model.embed(input.clone());
@@ -149,25 +216,46 @@ fn check_activations(name: &str, model: &Qwen2Model, golden: &Golden, p: usize) 
     let qkv = attn.qkv_proj.forward(x);
     let (q_sz, kv_sz) = (model.config.q_size(), model.config.kv_size());
     check("layer0.q_proj", to_vec(qkv.clone().slice_dim(1, 0..q_sz)));
-    check("layer0.k_proj", to_vec(qkv.clone().slice_dim(1, q_sz..q_sz + kv_sz)));
-    check("layer0.v_proj", to_vec(qkv.clone().slice_dim(1, q_sz + kv_sz..q_sz + 2 * kv_sz)));
+    check(
+        "layer0.k_proj",
+        to_vec(qkv.clone().slice_dim(1, q_sz..q_sz + kv_sz)),
+    );
+    check(
+        "layer0.v_proj",
+        to_vec(qkv.clone().slice_dim(1, q_sz + kv_sz..q_sz + 2 * kv_sz)),
+    );
     let (q, k, _) = attn.split_qkv(qkv.clone());
     if model.config.qk_norm {
         check("layer0.q_normed", to_vec(q.clone()));
         check("layer0.k_normed", to_vec(k.clone()));
     }
     let positions = meta.tensors.positions.clone();
-    check("layer0.q_rope", to_vec(model.rotary.apply(q, positions.clone()).swap_dims(0, 1)));
-    check("layer0.k_rope", to_vec(model.rotary.apply(k, positions).swap_dims(0, 1)));
+    check(
+        "layer0.q_rope",
+        to_vec(model.rotary.apply(q, positions.clone()).swap_dims(0, 1)),
+    );
+    check(
+        "layer0.k_rope",
+        to_vec(model.rotary.apply(k, positions).swap_dims(0, 1)),
+    );
 
     let mut cache = KvCache::new(&model.config, 8, BLOCK_SIZE, DType::F32, &device).unwrap();
-    let attn_out = attn.o_proj.forward(attn.attend(qkv, &model.rotary, &meta, &mut cache.layers[0]));
+    let attn_out =
+        attn.o_proj
+            .forward(attn.attend(qkv, &model.rotary, &meta, &mut cache.layers[0]));
     check("layer0.attn_out", to_vec(attn_out.clone()));
     let residual = attn_out + embed.clone();
     check("layer0.attn_residual", to_vec(residual.clone()));
     let post = layer.post_attention_layernorm.forward(residual);
     check("layer0.post_attn_norm", to_vec(post.clone()));
-    check("layer0.mlp_out", to_vec(layer.mlp.forward_from_gate_up(layer.mlp.gate_up_proj.forward(post))));
+    check(
+        "layer0.mlp_out",
+        to_vec(
+            layer
+                .mlp
+                .forward_from_gate_up(layer.mlp.gate_up_proj.forward(post)),
+        ),
+    );
 
     // Every layer's output through the production forward (fused residual path).
     let mut cache = KvCache::new(&model.config, 8, BLOCK_SIZE, DType::F32, &device).unwrap();
@@ -187,15 +275,40 @@ fn rope_tables_match_transformers() {
     for name in CHECKPOINTS {
         let model = load_model(name);
         let golden = Golden::load(name);
-        let inv = model_qwen2::layers::RotaryEmbedding::inv_freq(model.config.head_dim, model.config.rope_theta);
-        assert_close(&format!("{name} inv_freq"), &inv, &golden.f32s("rope.inv_freq"), 1e-6);
+        let inv = model_qwen2::layers::RotaryEmbedding::inv_freq(
+            model.config.head_dim,
+            model.config.rope_theta,
+        );
+        assert_close(
+            &format!("{name} inv_freq"),
+            &inv,
+            &golden.f32s("rope.inv_freq"),
+            1e-6,
+        );
         let (cos, sin) = model.rotary.tables();
         let half = model.config.head_dim / 2;
-        let (cos, sin) = (to_vec(cos.clone().slice_dim(0, 0..17)), to_vec(sin.clone().slice_dim(0, 0..17)));
+        let (cos, sin) = (
+            to_vec(cos.clone().slice_dim(0, 0..17)),
+            to_vec(sin.clone().slice_dim(0, 0..17)),
+        );
         // The goldens repeat the half-width table: [f(p·inv_0..d/2), f(p·inv_0..d/2)].
-        let doubled = |t: &[f32]| t.chunks(half).flat_map(|r| r.iter().chain(r.iter()).copied().collect::<Vec<_>>()).collect::<Vec<_>>();
-        assert_close(&format!("{name} cos"), &doubled(&cos), &golden.f32s("rope.cos"), 1e-6);
-        assert_close(&format!("{name} sin"), &doubled(&sin), &golden.f32s("rope.sin"), 1e-6);
+        let doubled = |t: &[f32]| {
+            t.chunks(half)
+                .flat_map(|r| r.iter().chain(r.iter()).copied().collect::<Vec<_>>())
+                .collect::<Vec<_>>()
+        };
+        assert_close(
+            &format!("{name} cos"),
+            &doubled(&cos),
+            &golden.f32s("rope.cos"),
+            1e-6,
+        );
+        assert_close(
+            &format!("{name} sin"),
+            &doubled(&sin),
+            &golden.f32s("rope.sin"),
+            1e-6,
+        );
     }
 }
 
@@ -210,13 +323,25 @@ fn text_prompts_through_tokenizer_and_model() {
     let mut prompts = Vec::new();
     for (j, case) in cases.iter().enumerate() {
         let ids = tok.encode(case["text"].as_str().unwrap()).unwrap();
-        assert_eq!(ids, golden.ids(&format!("text.{j}.input_ids")), "text {j} ids");
+        assert_eq!(
+            ids,
+            golden.ids(&format!("text.{j}.input_ids")),
+            "text {j} ids"
+        );
         prompts.push(ids);
     }
     let steps = greedy_batch(&model, &prompts, 24);
     for (j, case) in cases.iter().enumerate() {
         let got: Vec<u32> = steps[j].iter().map(|r| argmax(r)).collect();
-        assert_eq!(got, golden.ids(&format!("text.{j}.greedy_ids")), "text {j} greedy ids");
-        assert_eq!(tok.decode(&got, false).unwrap(), case["greedy_text"].as_str().unwrap(), "text {j} greedy text");
+        assert_eq!(
+            got,
+            golden.ids(&format!("text.{j}.greedy_ids")),
+            "text {j} greedy ids"
+        );
+        assert_eq!(
+            tok.decode(&got, false).unwrap(),
+            case["greedy_text"].as_str().unwrap(),
+            "text {j} greedy text"
+        );
     }
 }

@@ -1,0 +1,391 @@
+//! Paged attention (prefill and decode) and the KV write against the plain-Burn references.
+
+use burn::tensor::{DType, Device};
+use cubecl_kernels::attention::reference;
+use cubecl_kernels::{AttentionMetadata, LayerKvCache, QkNorm, Rope};
+use rand::Rng;
+use rand::rngs::StdRng;
+use rand::seq::SliceRandom;
+
+use super::common::*;
+
+/// A batch layout: per sequence (new tokens, context), shuffled physical blocks.
+struct Layout {
+    query_lens: Vec<usize>,
+    context_lens: Vec<usize>,
+    tables: Vec<Vec<u32>>,
+    block_size: usize,
+    num_blocks: usize,
+}
+
+impl Layout {
+    fn new(rng: &mut StdRng, seqs: &[(usize, usize)], block_size: usize) -> Self {
+        let need: usize = seqs.iter().map(|&(_, c)| c.div_ceil(block_size)).sum();
+        let num_blocks = need + 3;
+        let mut free: Vec<u32> = (0..num_blocks as u32).collect();
+        free.shuffle(rng);
+        let tables = seqs
+            .iter()
+            .map(|&(_, c)| free.split_off(free.len() - c.div_ceil(block_size)))
+            .collect();
+        Self {
+            query_lens: seqs.iter().map(|s| s.0).collect(),
+            context_lens: seqs.iter().map(|s| s.1).collect(),
+            tables,
+            block_size,
+            num_blocks,
+        }
+    }
+
+    fn meta(&self, device: &Device) -> AttentionMetadata {
+        AttentionMetadata::new(
+            self.query_lens.clone(),
+            self.context_lens.clone(),
+            self.tables.clone(),
+            self.block_size,
+            device,
+        )
+        .unwrap()
+    }
+
+    fn tokens(&self) -> usize {
+        self.query_lens.iter().sum()
+    }
+}
+
+struct Heads {
+    heads: usize,
+    kv_heads: usize,
+    d: usize,
+}
+
+fn cache(
+    values: &(Vec<f32>, Vec<f32>),
+    l: &Layout,
+    h: &Heads,
+    dtype: DType,
+    device: &Device,
+) -> LayerKvCache {
+    let shape = [l.num_blocks, l.block_size, h.kv_heads, h.d];
+    LayerKvCache {
+        k: tensor(&values.0, shape, dtype, device),
+        v: tensor(&values.1, shape, dtype, device),
+    }
+}
+
+/// Attention of random queries over a random cache, kernel vs reference.
+fn check_attention(
+    rng: &mut StdRng,
+    seqs: &[(usize, usize)],
+    block_size: usize,
+    h: Heads,
+    dtype: DType,
+) {
+    let l = Layout::new(rng, seqs, block_size);
+    let what = format!(
+        "{seqs:?} bs={block_size} heads={}/{} d={} {dtype:?}",
+        h.heads, h.kv_heads, h.d
+    );
+    eprintln!("{what}");
+    let cache_len = l.num_blocks * block_size * h.kv_heads * h.d;
+    let kv = (
+        random(rng, cache_len, 1.0, dtype),
+        random(rng, cache_len, 1.0, dtype),
+    );
+    let q = random(rng, l.tokens() * h.heads * h.d, 1.0, dtype);
+    let scale = 1.0 / (h.d as f32).sqrt();
+    let run = |device: &Device, dtype: DType, kernel: bool| {
+        let cache = cache(&kv, &l, &h, dtype, device);
+        let q = tensor(&q, [l.tokens(), h.heads, h.d], dtype, device);
+        let meta = l.meta(device);
+        if kernel {
+            poison_pool(device, 4 * q.dims().iter().product::<usize>() + 4096);
+            host(cubecl_kernels::paged_attention(q, &cache, &meta, scale))
+        } else {
+            host(reference::paged_attention(q, &cache, &meta, scale))
+        }
+    };
+    let out = run(&kernel_device(), dtype, true);
+    let expected = run(&reference_device(), DType::F32, false);
+    assert_rel(&what, &out, &expected, tolerance(dtype));
+}
+
+/// Ragged prefill: lengths 1, 2, 17, 255, 256, 257, 1000, some over cached prefixes.
+#[test]
+fn prefill_matches_reference() {
+    let mut rng = rng("prefill_matches_reference");
+    let seqs = [
+        (1, 1),
+        (2, 2),
+        (17, 40),
+        (255, 255),
+        (256, 300),
+        (257, 257),
+        (1000, 1000),
+    ];
+    check_attention(
+        &mut rng,
+        &seqs,
+        16,
+        Heads {
+            heads: 14,
+            kv_heads: 2,
+            d: 64,
+        },
+        DType::F32,
+    );
+    check_attention(
+        &mut rng,
+        &seqs[..6],
+        256,
+        Heads {
+            heads: 8,
+            kv_heads: 1,
+            d: 128,
+        },
+        DType::BF16,
+    );
+    check_attention(
+        &mut rng,
+        &[(3, 3), (17, 17), (1, 18)],
+        16,
+        Heads {
+            heads: 2,
+            kv_heads: 2,
+            d: 64,
+        },
+        DType::F16,
+    );
+    check_attention(
+        &mut rng,
+        &[(40, 100), (5, 5)],
+        16,
+        Heads {
+            heads: 4,
+            kv_heads: 2,
+            d: 128,
+        },
+        DType::F32,
+    );
+}
+
+/// Decode: one token per sequence over contexts 1 … 1000; batch 1 with a long context takes
+/// the split-context path.
+#[test]
+fn decode_matches_reference() {
+    let mut rng = rng("decode_matches_reference");
+    let ctx = [1, 2, 17, 255, 256, 257, 1000];
+    let seqs: Vec<(usize, usize)> = ctx.iter().map(|&c| (1, c)).collect();
+    check_attention(
+        &mut rng,
+        &seqs,
+        16,
+        Heads {
+            heads: 14,
+            kv_heads: 2,
+            d: 64,
+        },
+        DType::F32,
+    );
+    check_attention(
+        &mut rng,
+        &seqs,
+        256,
+        Heads {
+            heads: 8,
+            kv_heads: 8,
+            d: 128,
+        },
+        DType::BF16,
+    );
+    check_attention(
+        &mut rng,
+        &[(1, 1000)],
+        16,
+        Heads {
+            heads: 8,
+            kv_heads: 1,
+            d: 128,
+        },
+        DType::F32,
+    );
+    check_attention(
+        &mut rng,
+        &[(1, 777)],
+        256,
+        Heads {
+            heads: 4,
+            kv_heads: 2,
+            d: 64,
+        },
+        DType::F16,
+    );
+}
+
+/// The fused norm + RoPE + KV write, with skipped slots (−1), against split/norm/rope/store.
+#[test]
+fn rope_store_kv_matches_reference() {
+    let mut rng = rng("rope_store_kv_matches_reference");
+    for (h, qk_norm, dtype) in [
+        (
+            Heads {
+                heads: 14,
+                kv_heads: 2,
+                d: 64,
+            },
+            false,
+            DType::F32,
+        ),
+        (
+            Heads {
+                heads: 4,
+                kv_heads: 2,
+                d: 32,
+            },
+            true,
+            DType::F32,
+        ),
+        (
+            Heads {
+                heads: 8,
+                kv_heads: 4,
+                d: 128,
+            },
+            true,
+            DType::BF16,
+        ),
+    ] {
+        let l = Layout::new(&mut rng, &[(5, 9), (1, 17), (3, 3)], 16);
+        let what = format!(
+            "heads={}/{} d={} qk_norm={qk_norm} {dtype:?}",
+            h.heads, h.kv_heads, h.d
+        );
+        let t = l.tokens();
+        let width = (h.heads + 2 * h.kv_heads) * h.d;
+        let qkv = random(&mut rng, t * width, 2.0, dtype);
+        let cache_len = l.num_blocks * l.block_size * h.kv_heads * h.d;
+        let kv = (
+            random(&mut rng, cache_len, 1.0, dtype),
+            random(&mut rng, cache_len, 1.0, dtype),
+        );
+        let norms: Vec<Vec<f32>> = (0..2)
+            .map(|_| {
+                random(&mut rng, h.d, 0.5, dtype)
+                    .iter()
+                    .map(|v| v + 1.0)
+                    .collect()
+            })
+            .collect();
+        let max_pos = 64;
+        let angles: Vec<f32> = (0..max_pos * h.d / 2)
+            .map(|i| (i / (h.d / 2)) as f32 * rng.random::<f32>())
+            .collect();
+        let skip = rng.random_range(0..t);
+        let run = |device: &Device, dtype: DType, kernel: bool| {
+            let mut cache = cache(&kv, &l, &h, dtype, device);
+            let mut meta = l.meta(device);
+            if !kernel {
+                meta.slot_mapping[skip] = -1;
+            } else {
+                meta = with_skipped_slot(meta, skip, device);
+            }
+            let cos = tensor(
+                &angles.iter().map(|a| a.cos()).collect::<Vec<_>>(),
+                [max_pos, h.d / 2],
+                DType::F32,
+                device,
+            );
+            let sin = tensor(
+                &angles.iter().map(|a| a.sin()).collect::<Vec<_>>(),
+                [max_pos, h.d / 2],
+                DType::F32,
+                device,
+            );
+            let (qn, kn) = (
+                tensor(&norms[0], [h.d], dtype, device),
+                tensor(&norms[1], [h.d], dtype, device),
+            );
+            let norm = qk_norm.then_some(QkNorm {
+                q: &qn,
+                k: &kn,
+                eps: 1e-6,
+            });
+            let qkv = tensor(&qkv, [t, width], dtype, device);
+            let rope = Rope {
+                cos: &cos,
+                sin: &sin,
+            };
+            let q = if kernel {
+                cubecl_kernels::rope_store_kv(qkv, h.heads, norm, rope, &meta, &mut cache)
+            } else {
+                reference::rope_store_kv(qkv, h.heads, norm, rope, &meta, &mut cache)
+            };
+            (host(q), host(cache.k), host(cache.v))
+        };
+        let (q, k, v) = run(&kernel_device(), dtype, true);
+        let (q_ref, k_ref, v_ref) = run(&reference_device(), DType::F32, false);
+        assert_rel(&format!("{what}: q"), &q, &q_ref, tolerance(dtype));
+        assert_rel(&format!("{what}: k cache"), &k, &k_ref, tolerance(dtype));
+        assert_rel(&format!("{what}: v cache"), &v, &v_ref, tolerance(dtype));
+        // Untouched slots keep their old content exactly, the skipped token's slot included.
+        let untouched = |c: &[f32], old: &[f32]| c.iter().zip(old).filter(|(a, b)| a == b).count();
+        assert!(
+            untouched(&k, &kv.0) >= cache_len - (t - 1) * h.kv_heads * h.d,
+            "{what}: writes outside the slots"
+        );
+    }
+}
+
+/// Metadata whose token `skip` has slot −1 on the device too.
+fn with_skipped_slot(
+    mut meta: AttentionMetadata,
+    skip: usize,
+    device: &Device,
+) -> AttentionMetadata {
+    meta.slot_mapping[skip] = -1;
+    let slots: Vec<i32> = meta.slot_mapping.iter().map(|&s| s as i32).collect();
+    let n = slots.len();
+    meta.tensors.slot_mapping = burn::tensor::Tensor::from_data(
+        burn::tensor::TensorData::new(slots, [n]),
+        (device, DType::I32),
+    );
+    meta
+}
+
+#[test]
+fn plain_store_kv_matches_reference() {
+    let mut rng = rng("plain_store_kv_matches_reference");
+    let h = Heads {
+        heads: 0,
+        kv_heads: 2,
+        d: 64,
+    };
+    let l = Layout::new(&mut rng, &[(4, 20), (2, 2)], 16);
+    let t = l.tokens();
+    let cache_len = l.num_blocks * l.block_size * h.kv_heads * h.d;
+    let kv = (
+        random(&mut rng, cache_len, 1.0, DType::F32),
+        random(&mut rng, cache_len, 1.0, DType::F32),
+    );
+    let (k_new, v_new) = (
+        random(&mut rng, t * 128, 1.0, DType::F32),
+        random(&mut rng, t * 128, 1.0, DType::F32),
+    );
+    let run = |device: &Device, kernel: bool| {
+        let mut cache = cache(&kv, &l, &h, DType::F32, device);
+        let meta = l.meta(device);
+        let k = tensor(&k_new, [t, 2, 64], DType::F32, device);
+        let v = tensor(&v_new, [t, 2, 64], DType::F32, device);
+        if kernel {
+            cubecl_kernels::store_kv(&mut cache, k, v, &meta);
+        } else {
+            reference::store_kv(&mut cache, k, v, &meta);
+        }
+        (host(cache.k), host(cache.v))
+    };
+    let (k, v) = run(&kernel_device(), true);
+    let (k_ref, v_ref) = run(&reference_device(), false);
+    assert_eq!(k, k_ref, "k cache");
+    assert_eq!(v, v_ref, "v cache");
+    let _ = h.heads;
+}
