@@ -1,1 +1,97 @@
-fn main() {}
+//! The benchmark binary: kernels, attention and the decode step at real Qwen shapes.
+//!
+//! `benches all --device cuda --out results.json` runs everything; see `--help`.
+
+mod attention;
+mod decode_step;
+mod linear;
+mod report;
+mod timing;
+
+use std::path::PathBuf;
+
+use anyhow::{Context, Result};
+use burn::tensor::DType;
+use clap::{Parser, ValueEnum};
+use cubecl_kernels::DeviceKind;
+use model_qwen2::Qwen2Config;
+
+#[derive(Parser)]
+#[command(name = "benches", about = "burn-nanovllm benchmarks")]
+struct Cli {
+    /// What to run.
+    #[arg(value_enum)]
+    suite: Vec<Suite>,
+    /// cuda, cuda:N, cubecl-cpu or cpu.
+    #[arg(long, default_value = "cuda")]
+    device: DeviceKind,
+    /// Smaller shapes, for a smoke test on a CPU.
+    #[arg(long)]
+    quick: bool,
+    /// Write all tables as JSON here.
+    #[arg(long)]
+    out: Option<PathBuf>,
+}
+
+#[derive(Clone, Copy, PartialEq, Eq, ValueEnum)]
+enum Suite {
+    Linear,
+    Decode,
+    Prefill,
+    Step,
+    All,
+}
+
+fn config(name: &str) -> Result<Qwen2Config> {
+    let text = match name {
+        "qwen2-0.5b" => include_str!("../configs/qwen2-0.5b.json"),
+        "qwen2-1.5b" => include_str!("../configs/qwen2-1.5b.json"),
+        "qwen3-0.6b" => include_str!("../configs/qwen3-0.6b.json"),
+        _ => anyhow::bail!("unknown model {name}"),
+    };
+    Qwen2Config::from_json(text).with_context(|| name.to_string())
+}
+
+fn main() -> Result<()> {
+    let cli = Cli::parse();
+    let device = cli.device.device()?;
+    let dtype = if matches!(cli.device, DeviceKind::Cuda(_)) { DType::BF16 } else { DType::F32 };
+    let want = |s: Suite| cli.suite.contains(&s) || cli.suite.contains(&Suite::All);
+    let q = cli.quick;
+    let mut tables = Vec::new();
+    if want(Suite::Linear) {
+        let ms: &[usize] = if q { &[1, 3, 40] } else { &[1, 8, 32, 128, 256, 1024, 4096] };
+        for model in ["qwen2-0.5b", "qwen2-1.5b"] {
+            let mut c = config(model)?;
+            if q {
+                c.vocab_size = 1000;
+            }
+            tables.push(linear::run(model, &c, ms, &device, dtype).json());
+        }
+    }
+    if want(Suite::Decode) {
+        let (bs, ctx): (&[usize], &[usize]) = if q { (&[1, 4], &[128, 300]) } else { (&[1, 16, 64, 256], &[128, 1024, 4096, 16384]) };
+        for model in ["qwen2-0.5b", "qwen3-0.6b"] {
+            tables.push(attention::decode(model, &config(model)?, bs, ctx, &device, dtype).json());
+        }
+    }
+    if want(Suite::Prefill) {
+        let shapes: &[(usize, usize)] = if q { &[(1, 64), (4, 32)] } else { &[(1, 4096), (16, 1024), (256, 512)] };
+        for model in ["qwen2-0.5b", "qwen3-0.6b"] {
+            tables.push(attention::prefill(model, &config(model)?, shapes, &device, dtype).json());
+        }
+    }
+    if want(Suite::Step) {
+        let mut c = config("qwen2-0.5b")?;
+        let ms: &[usize] = if q { &[1, 4] } else { &[1, 16, 64, 256] };
+        if q {
+            c.num_hidden_layers = 2;
+            c.vocab_size = 1000;
+        }
+        tables.push(decode_step::run("qwen2-0.5b", &c, ms, &device, dtype).json());
+    }
+    if let Some(out) = cli.out {
+        std::fs::write(&out, serde_json::to_string_pretty(&tables)?).with_context(|| out.display().to_string())?;
+    }
+    Ok(())
+}

@@ -170,14 +170,20 @@ pub fn linear_skinny<F: Float, NV: Size>(
             } else {
                 Vector::<f32, NV>::new(1.0)
             };
+            // This unit's slice of the tile's input rows, loaded once for all weight rows.
+            let mut xs = Array::<Vector<f32, NV>>::new(cfg.m_tile);
+            #[unroll]
+            for mi in 0..cfg.m_tile {
+                let m = select(m0 + mi < m_total, m0 + mi, m_total - 1);
+                xs[mi] = Vector::<f32, NV>::cast_from(x[m * x_pitch + kv]) * g;
+            }
             #[unroll]
             for r in 0..cfg.rows {
                 let n = select(n0 + r < n_total, n0 + r, n_total - 1);
                 let wv = Vector::<f32, NV>::cast_from(w[n * w_pitch + kv]);
                 #[unroll]
                 for mi in 0..cfg.m_tile {
-                    let m = select(m0 + mi < m_total, m0 + mi, m_total - 1);
-                    let xv = Vector::<f32, NV>::cast_from(x[m * x_pitch + kv]) * g;
+                    let xv = xs[mi];
                     let mut s = 0.0f32;
                     #[unroll]
                     for e in 0..nv {

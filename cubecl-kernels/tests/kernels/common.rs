@@ -1,9 +1,14 @@
 use burn::tensor::{DType, Device, Tensor, TensorData};
 use rand::{Rng, SeedableRng, rngs::StdRng};
 
-/// The CubeCL CPU runtime (kernels) and the Flex backend (references).
+/// The device the kernels run on: the CubeCL CPU runtime, or `KERNEL_TEST_DEVICE` (`cuda`,
+/// `cuda:N`, `cubecl-cpu`) to run the same tests on a GPU (plane and tensor-core paths).
+/// References run on the Flex backend.
 pub fn kernel_device() -> Device {
-    Device::cpu()
+    match std::env::var("KERNEL_TEST_DEVICE") {
+        Ok(name) => name.parse::<cubecl_kernels::DeviceKind>().and_then(|k| k.device()).expect("KERNEL_TEST_DEVICE"),
+        Err(_) => Device::cpu(),
+    }
 }
 
 pub fn reference_device() -> Device {
