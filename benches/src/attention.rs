@@ -9,7 +9,7 @@ use serde_json::json;
 
 use crate::linear::rel_err;
 use crate::report::Report;
-use crate::timing::median_us;
+use crate::timing::{graph_us, median_us};
 
 const BLOCK_SIZE: usize = 16;
 
@@ -24,24 +24,47 @@ fn setup(c: &Qwen2Config, seqs: &[(usize, usize)], device: &Device, dtype: DType
     let blocks: usize = seqs.iter().map(|s| s.1.div_ceil(BLOCK_SIZE)).sum();
     let mut ids: Vec<u32> = (0..blocks as u32).collect();
     ids.shuffle(&mut rand::rng());
-    let tables = seqs.iter().map(|s| ids.split_off(ids.len() - s.1.div_ceil(BLOCK_SIZE))).collect();
-    let meta = AttentionMetadata::new(seqs.iter().map(|s| s.0).collect(), seqs.iter().map(|s| s.1).collect(), tables, BLOCK_SIZE, device)
-        .expect("metadata");
+    let tables = seqs
+        .iter()
+        .map(|s| ids.split_off(ids.len() - s.1.div_ceil(BLOCK_SIZE)))
+        .collect();
+    let meta = AttentionMetadata::new(
+        seqs.iter().map(|s| s.0).collect(),
+        seqs.iter().map(|s| s.1).collect(),
+        tables,
+        BLOCK_SIZE,
+        device,
+    )
+    .expect("metadata");
     let shape = [blocks, BLOCK_SIZE, c.num_key_value_heads, c.head_dim];
     let cache = LayerKvCache {
         k: Tensor::random(shape, Distribution::Normal(0.0, 1.0), (device, dtype)),
         v: Tensor::random(shape, Distribution::Normal(0.0, 1.0), (device, dtype)),
     };
     let t: usize = seqs.iter().map(|s| s.0).sum();
-    let q = Tensor::random([t, c.num_attention_heads, c.head_dim], Distribution::Normal(0.0, 1.0), (device, dtype));
+    let q = Tensor::random(
+        [t, c.num_attention_heads, c.head_dim],
+        Distribution::Normal(0.0, 1.0),
+        (device, dtype),
+    );
     Setup { cache, meta, q }
 }
 
 /// Decode: batch × context; achieved bandwidth counts the keys and values read.
-pub fn decode(model: &str, c: &Qwen2Config, batches: &[usize], contexts: &[usize], device: &Device, dtype: DType) -> Report {
+pub fn decode(
+    model: &str,
+    c: &Qwen2Config,
+    batches: &[usize],
+    contexts: &[usize],
+    device: &Device,
+    dtype: DType,
+) -> Report {
     let mut report = Report::new(
         &format!("decode attention {model} {dtype:?}"),
-        &["model", "batch", "context", "heads", "kv_heads", "head_dim", "ours_us", "kv_GBps", "rel_err"],
+        &[
+            "model", "batch", "context", "heads", "kv_heads", "head_dim", "ours_us", "kv_GBps",
+            "rel_err",
+        ],
     );
     let scale = 1.0 / (c.head_dim as f32).sqrt();
     for &b in batches {
@@ -50,11 +73,14 @@ pub fn decode(model: &str, c: &Qwen2Config, batches: &[usize], contexts: &[usize
             let ours = || cubecl_kernels::paged_attention(s.q.clone(), &s.cache, &s.meta, scale);
             // The reference gathers per sequence: check the smaller configurations only.
             let err = if b * ctx <= 16 * 4096 {
-                rel_err(ours(), reference::paged_attention(s.q.clone(), &s.cache, &s.meta, scale))
+                rel_err(
+                    ours(),
+                    reference::paged_attention(s.q.clone(), &s.cache, &s.meta, scale),
+                )
             } else {
                 f64::NAN
             };
-            let t = median_us(device, 20, 20, ours);
+            let t = graph_us(device, 10, 10, ours);
             let bytes = 2 * b * ctx * c.kv_size() * dtype.size();
             report.row(vec![
                 json!(model),
@@ -73,23 +99,36 @@ pub fn decode(model: &str, c: &Qwen2Config, batches: &[usize], contexts: &[usize
 }
 
 /// Prefill: `batch` sequences of `len` new tokens each, no prefix; causal FLOPs.
-pub fn prefill(model: &str, c: &Qwen2Config, shapes: &[(usize, usize)], device: &Device, dtype: DType) -> Report {
+pub fn prefill(
+    model: &str,
+    c: &Qwen2Config,
+    shapes: &[(usize, usize)],
+    device: &Device,
+    dtype: DType,
+) -> Report {
     let mut report = Report::new(
         &format!("prefill attention {model} {dtype:?}"),
-        &["model", "batch", "len", "heads", "kv_heads", "head_dim", "ours_us", "TFLOPs", "rel_err"],
+        &[
+            "model", "batch", "len", "heads", "kv_heads", "head_dim", "ours_us", "TFLOPs",
+            "rel_err",
+        ],
     );
     let scale = 1.0 / (c.head_dim as f32).sqrt();
     for &(b, len) in shapes {
         let s = setup(c, &vec![(len, len); b], device, dtype);
         let ours = || cubecl_kernels::paged_attention(s.q.clone(), &s.cache, &s.meta, scale);
         let err = if b * len <= 4096 {
-            rel_err(ours(), reference::paged_attention(s.q.clone(), &s.cache, &s.meta, scale))
+            rel_err(
+                ours(),
+                reference::paged_attention(s.q.clone(), &s.cache, &s.meta, scale),
+            )
         } else {
             f64::NAN
         };
         let t = median_us(device, 2, 10, ours);
         // QKᵀ and PV over the causal triangle, 2 FLOPs per multiply-add.
-        let flops = 4.0 * (b * c.num_attention_heads * c.head_dim) as f64 * (len * (len + 1) / 2) as f64;
+        let flops =
+            4.0 * (b * c.num_attention_heads * c.head_dim) as f64 * (len * (len + 1) / 2) as f64;
         report.row(vec![
             json!(model),
             json!(b),

@@ -8,7 +8,7 @@ use model_qwen2::Qwen2Config;
 use serde_json::json;
 
 use crate::report::Report;
-use crate::timing::median_us;
+use crate::timing::{graph_us, median_us};
 
 struct Layer {
     g1: Tensor<1>,
@@ -29,13 +29,27 @@ struct Weights {
 
 fn weights(c: &Qwen2Config, device: &Device, dtype: DType) -> Weights {
     let (h, i) = (c.hidden_size, c.intermediate_size);
-    let w = |s: [usize; 2]| Tensor::<2>::random(s, Distribution::Normal(0.0, 0.03), (device, dtype));
+    let w =
+        |s: [usize; 2]| Tensor::<2>::random(s, Distribution::Normal(0.0, 0.03), (device, dtype));
     let g = || Tensor::<1>::random([h], Distribution::Uniform(0.5, 1.5), (device, dtype));
     let qkv = c.q_size() + 2 * c.kv_size();
     let layers = (0..c.num_hidden_layers)
-        .map(|_| Layer { g1: g(), wqkv: w([qkv, h]), wo: w([h, h]), g2: g(), wgu: w([2 * i, h]), wd: w([h, i]) })
+        .map(|_| Layer {
+            g1: g(),
+            wqkv: w([qkv, h]),
+            wo: w([h, h]),
+            g2: g(),
+            wgu: w([2 * i, h]),
+            wd: w([h, i]),
+        })
         .collect();
-    Weights { layers, gf: g(), head: w([c.vocab_size, h]), hidden: h, inter: i }
+    Weights {
+        layers,
+        gf: g(),
+        head: w([c.vocab_size, h]),
+        hidden: h,
+        inter: i,
+    }
 }
 
 /// Our ops: the residual add folded into the next fused norm + linear.
@@ -45,16 +59,41 @@ fn step_ours(w: &Weights, x: &Tensor<2>) -> Tensor<2> {
     let mut res = x.clone();
     for l in &w.layers {
         let (qkv, r) = match out.take() {
-            Some(o) => cubecl_kernels::add_rms_norm_linear(o, res, l.g1.clone(), l.wqkv.clone(), None, 1e-6),
-            None => (cubecl_kernels::rms_norm_linear(res.clone(), l.g1.clone(), l.wqkv.clone(), None, 1e-6), res),
+            Some(o) => cubecl_kernels::add_rms_norm_linear(
+                o,
+                res,
+                l.g1.clone(),
+                l.wqkv.clone(),
+                None,
+                1e-6,
+            ),
+            None => (
+                cubecl_kernels::rms_norm_linear(
+                    res.clone(),
+                    l.g1.clone(),
+                    l.wqkv.clone(),
+                    None,
+                    1e-6,
+                ),
+                res,
+            ),
         };
         let o = cubecl_kernels::linear(qkv.slice_dim(1, 0..h), l.wo.clone(), None);
-        let (gu, r) = cubecl_kernels::add_rms_norm_linear(o, r, l.g2.clone(), l.wgu.clone(), None, 1e-6);
+        let (gu, r) =
+            cubecl_kernels::add_rms_norm_linear(o, r, l.g2.clone(), l.wgu.clone(), None, 1e-6);
         let act = silu(gu.clone().slice_dim(1, 0..i)) * gu.slice_dim(1, i..2 * i);
         out = Some(cubecl_kernels::linear(act, l.wd.clone(), None));
         res = r;
     }
-    cubecl_kernels::add_rms_norm_linear(out.expect("layers"), res, w.gf.clone(), w.head.clone(), None, 1e-6).0
+    cubecl_kernels::add_rms_norm_linear(
+        out.expect("layers"),
+        res,
+        w.gf.clone(),
+        w.head.clone(),
+        None,
+        1e-6,
+    )
+    .0
 }
 
 /// Burn's own ops (the reference compositions), as in the PyTorch script.
@@ -74,27 +113,37 @@ fn step_burn(w: &Weights, x: &Tensor<2>) -> Tensor<2> {
 pub fn run(model: &str, c: &Qwen2Config, ms: &[usize], device: &Device, dtype: DType) -> Report {
     let mut report = Report::new(
         &format!("decode step without attention {model} {dtype:?}"),
-        &["model", "M", "ours_eager_ms", "ours_graph_ms", "burn_eager_ms", "burn_graph_ms", "rel_err"],
+        &[
+            "model",
+            "M",
+            "ours_eager_ms",
+            "ours_graph_ms",
+            "burn_eager_ms",
+            "burn_graph_ms",
+            "rel_err",
+        ],
     );
     let w = weights(c, device, dtype);
     for &m in ms {
-        let x = Tensor::<2>::random([m, c.hidden_size], Distribution::Normal(0.0, 1.0), (device, dtype));
+        let x = Tensor::<2>::random(
+            [m, c.hidden_size],
+            Distribution::Normal(0.0, 1.0),
+            (device, dtype),
+        );
         let err = crate::linear::rel_err(step_ours(&w, &x), step_burn(&w, &x));
         let eager_ours = median_us(device, 5, 10, || step_ours(&w, &x)) / 1e3;
         let eager_burn = median_us(device, 5, 10, || step_burn(&w, &x)) / 1e3;
-        let graph_ours = graph_ms(device, || step_ours(&w, &x));
-        let graph_burn = graph_ms(device, || step_burn(&w, &x));
-        report.row(vec![json!(model), json!(m), json!(eager_ours), json!(graph_ours), json!(eager_burn), json!(graph_burn), json!(err)]);
+        let graph_ours = graph_us(device, 1, 10, || step_ours(&w, &x)) / 1e3;
+        let graph_burn = graph_us(device, 1, 10, || step_burn(&w, &x)) / 1e3;
+        report.row(vec![
+            json!(model),
+            json!(m),
+            json!(eager_ours),
+            json!(graph_ours),
+            json!(eager_burn),
+            json!(graph_burn),
+            json!(err),
+        ]);
     }
     report
-}
-
-/// Milliseconds per replay of `f` captured as a device graph (re-run on backends without one).
-fn graph_ms<T>(device: &Device, f: impl FnMut() -> T) -> f64 {
-    let mut graph = burn::tensor::capture(device, f);
-    // SAFETY: the closure only reads tensors that `w` and `x` keep alive for the whole loop, and
-    // nothing else runs on the device meanwhile.
-    median_us(device, 20, 10, || unsafe {
-        graph.replay();
-    }) / 1e3
 }

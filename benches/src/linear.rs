@@ -7,7 +7,7 @@ use model_qwen2::Qwen2Config;
 use serde_json::json;
 
 use crate::report::Report;
-use crate::timing::{median_us, per_batch};
+use crate::timing::graph_us;
 
 /// One weight matrix of a model: `W [n, k]`, preceded by an RMSNorm when `fused`.
 struct Shape {
@@ -21,31 +21,95 @@ struct Shape {
 fn shapes(c: &Qwen2Config) -> Vec<Shape> {
     let qkv = c.q_size() + 2 * c.kv_size();
     vec![
-        Shape { name: "qkv", k: c.hidden_size, n: qkv, fused: true, bias: c.attention_bias },
-        Shape { name: "gate_up", k: c.hidden_size, n: 2 * c.intermediate_size, fused: true, bias: false },
-        Shape { name: "o_proj", k: c.q_size(), n: c.hidden_size, fused: false, bias: false },
-        Shape { name: "down", k: c.intermediate_size, n: c.hidden_size, fused: false, bias: false },
-        Shape { name: "lm_head", k: c.hidden_size, n: c.vocab_size, fused: true, bias: false },
+        Shape {
+            name: "qkv",
+            k: c.hidden_size,
+            n: qkv,
+            fused: true,
+            bias: c.attention_bias,
+        },
+        Shape {
+            name: "gate_up",
+            k: c.hidden_size,
+            n: 2 * c.intermediate_size,
+            fused: true,
+            bias: false,
+        },
+        Shape {
+            name: "o_proj",
+            k: c.q_size(),
+            n: c.hidden_size,
+            fused: false,
+            bias: false,
+        },
+        Shape {
+            name: "down",
+            k: c.intermediate_size,
+            n: c.hidden_size,
+            fused: false,
+            bias: false,
+        },
+        Shape {
+            name: "lm_head",
+            k: c.hidden_size,
+            n: c.vocab_size,
+            fused: true,
+            bias: false,
+        },
     ]
 }
 
 /// Times every shape of `config` at every `m`; checks the fused op against the reference once
 /// per shape first (relative error in the table).
-pub fn run(model: &str, config: &Qwen2Config, ms: &[usize], device: &Device, dtype: DType) -> Report {
+/// `ms` applies to the fused products (qkv, gate/up); the plain ones (o_proj, down, LM head)
+/// are timed at the decode sizes among them (M ≤ 256), and only when `plain` is set.
+pub fn run(
+    model: &str,
+    config: &Qwen2Config,
+    ms: &[usize],
+    plain: bool,
+    baselines: bool,
+    device: &Device,
+    dtype: DType,
+) -> Report {
     let mut report = Report::new(
         &format!("linear {model} {dtype:?}"),
-        &["model", "op", "M", "K", "N", "ours_us", "burn_unfused_us", "burn_matmul_us", "ours_GBps", "ours_TFLOPs", "speedup_vs_unfused", "rel_err"],
+        &[
+            "model",
+            "op",
+            "M",
+            "K",
+            "N",
+            "ours_us",
+            "burn_unfused_us",
+            "burn_matmul_us",
+            "ours_GBps",
+            "ours_TFLOPs",
+            "speedup_vs_unfused",
+            "rel_err",
+        ],
     );
-    let normal = |shape: [usize; 2], std: f64| Tensor::<2>::random(shape, Distribution::Normal(0.0, std), (device, dtype));
+    let normal = |shape: [usize; 2], std: f64| {
+        Tensor::<2>::random(shape, Distribution::Normal(0.0, std), (device, dtype))
+    };
     for s in shapes(config) {
         let w = normal([s.n, s.k], 1.0 / (s.k as f64).sqrt());
         let g = Tensor::<1>::random([s.k], Distribution::Uniform(0.5, 1.5), (device, dtype));
-        let b = s.bias.then(|| Tensor::<1>::random([s.n], Distribution::Normal(0.0, 0.1), (device, dtype)));
-        for &m in ms {
+        let b = s
+            .bias
+            .then(|| Tensor::<1>::random([s.n], Distribution::Normal(0.0, 0.1), (device, dtype)));
+        let wanted = |m: usize| (s.fused && s.name != "lm_head") || (plain && m <= 256);
+        for &m in ms.iter().filter(|&&m| wanted(m)) {
             let x = normal([m, s.k], 1.0);
             let ours = || {
                 if s.fused {
-                    cubecl_kernels::rms_norm_linear(x.clone(), g.clone(), w.clone(), b.clone(), 1e-6)
+                    cubecl_kernels::rms_norm_linear(
+                        x.clone(),
+                        g.clone(),
+                        w.clone(),
+                        b.clone(),
+                        1e-6,
+                    )
                 } else {
                     cubecl_kernels::linear(x.clone(), w.clone(), b.clone())
                 }
@@ -59,11 +123,17 @@ pub fn run(model: &str, config: &Qwen2Config, ms: &[usize], device: &Device, dty
             };
             let matmul = || x.clone().matmul(w.clone().transpose());
             let err = rel_err(ours(), unfused());
-            let pb = per_batch(m * s.n * dtype.size(), 50);
-            let reps = if m * s.k * s.n > 1 << 32 { 10 } else { 30 };
-            let t_ours = median_us(device, pb, reps, ours);
-            let t_unfused = median_us(device, pb, reps, unfused);
-            let t_matmul = median_us(device, pb, reps, matmul);
+            let calls = ((1usize << 30) / (m * s.n * dtype.size())).clamp(1, 10);
+            let reps = if m * s.k * s.n > 1 << 32 { 5 } else { 15 };
+            let t_ours = graph_us(device, calls, reps, ours);
+            let (t_unfused, t_matmul) = if baselines {
+                (
+                    graph_us(device, calls, reps, unfused),
+                    graph_us(device, calls, reps, matmul),
+                )
+            } else {
+                (f64::NAN, f64::NAN)
+            };
             let bytes = (m * s.k + s.n * s.k + m * s.n) * dtype.size();
             let flops = 2.0 * (m * s.k * s.n) as f64;
             report.row(vec![
@@ -89,7 +159,15 @@ pub fn run(model: &str, config: &Qwen2Config, ms: &[usize], device: &Device, dty
 pub fn rel_err<const D: usize>(a: Tensor<D>, b: Tensor<D>) -> f64 {
     let a = a.into_data().try_into_vec_as::<f32>().expect("f32 data");
     let b = b.into_data().try_into_vec_as::<f32>().expect("f32 data");
-    let num: f64 = a.iter().zip(&b).map(|(x, y)| ((x - y) as f64).powi(2)).sum();
+    let num: f64 = a
+        .iter()
+        .zip(&b)
+        .map(|(x, y)| ((x - y) as f64).powi(2))
+        .sum();
     let den: f64 = b.iter().map(|y| (*y as f64).powi(2)).sum();
-    if a.iter().any(|v| !v.is_finite()) { f64::NAN } else { (num / den.max(1e-30)).sqrt() }
+    if a.iter().any(|v| !v.is_finite()) {
+        f64::NAN
+    } else {
+        (num / den.max(1e-30)).sqrt()
+    }
 }

@@ -28,6 +28,12 @@ struct Cli {
     /// Smaller shapes, for a smoke test on a CPU.
     #[arg(long)]
     quick: bool,
+    /// Rows M of the linear suite (comma-separated), instead of 1,8,16,32,64,128,256,1024,4096.
+    #[arg(long, value_delimiter = ',')]
+    ms: Vec<usize>,
+    /// Skip Burn's own ops (the baselines) in the linear suite.
+    #[arg(long)]
+    ours_only: bool,
     /// Write all tables as JSON here.
     #[arg(long)]
     out: Option<PathBuf>,
@@ -55,28 +61,60 @@ fn config(name: &str) -> Result<Qwen2Config> {
 fn main() -> Result<()> {
     let cli = Cli::parse();
     let device = cli.device.device()?;
-    let dtype = if matches!(cli.device, DeviceKind::Cuda(_)) { DType::BF16 } else { DType::F32 };
+    let dtype = if matches!(cli.device, DeviceKind::Cuda(_)) {
+        DType::BF16
+    } else {
+        DType::F32
+    };
     let want = |s: Suite| cli.suite.contains(&s) || cli.suite.contains(&Suite::All);
     let q = cli.quick;
     let mut tables = Vec::new();
     if want(Suite::Linear) {
-        let ms: &[usize] = if q { &[1, 3, 40] } else { &[1, 8, 32, 128, 256, 1024, 4096] };
+        let default: &[usize] = if q {
+            &[1, 3, 40]
+        } else {
+            &[1, 8, 16, 32, 64, 128, 256, 1024, 4096]
+        };
+        let ms = if cli.ms.is_empty() {
+            default
+        } else {
+            &cli.ms[..]
+        };
         for model in ["qwen2-0.5b", "qwen2-1.5b"] {
             let mut c = config(model)?;
             if q {
                 c.vocab_size = 1000;
             }
-            tables.push(linear::run(model, &c, ms, &device, dtype).json());
+            tables.push(
+                linear::run(
+                    model,
+                    &c,
+                    ms,
+                    model == "qwen2-0.5b",
+                    !cli.ours_only,
+                    &device,
+                    dtype,
+                )
+                .json(),
+            );
         }
     }
     if want(Suite::Decode) {
-        let (bs, ctx): (&[usize], &[usize]) = if q { (&[1, 4], &[128, 300]) } else { (&[1, 16, 64, 256], &[128, 1024, 4096, 16384]) };
+        let (bs, ctx): (&[usize], &[usize]) = if q {
+            (&[1, 4], &[128, 300])
+        } else {
+            (&[1, 16, 64, 256], &[128, 1024, 4096, 16384])
+        };
         for model in ["qwen2-0.5b", "qwen3-0.6b"] {
             tables.push(attention::decode(model, &config(model)?, bs, ctx, &device, dtype).json());
         }
     }
     if want(Suite::Prefill) {
-        let shapes: &[(usize, usize)] = if q { &[(1, 64), (4, 32)] } else { &[(1, 4096), (16, 1024), (256, 512)] };
+        let shapes: &[(usize, usize)] = if q {
+            &[(1, 64), (4, 32)]
+        } else {
+            &[(1, 4096), (16, 1024), (256, 512)]
+        };
         for model in ["qwen2-0.5b", "qwen3-0.6b"] {
             tables.push(attention::prefill(model, &config(model)?, shapes, &device, dtype).json());
         }
@@ -91,7 +129,8 @@ fn main() -> Result<()> {
         tables.push(decode_step::run("qwen2-0.5b", &c, ms, &device, dtype).json());
     }
     if let Some(out) = cli.out {
-        std::fs::write(&out, serde_json::to_string_pretty(&tables)?).with_context(|| out.display().to_string())?;
+        std::fs::write(&out, serde_json::to_string_pretty(&tables)?)
+            .with_context(|| out.display().to_string())?;
     }
     Ok(())
 }

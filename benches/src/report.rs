@@ -13,7 +13,11 @@ impl Report {
     /// A table called `name` with `columns`; prints its header.
     pub fn new(name: &str, columns: &[&'static str]) -> Self {
         println!("\n## {name}\n{}", columns.join(","));
-        Self { name: name.into(), columns: columns.to_vec(), rows: Vec::new() }
+        Self {
+            name: name.into(),
+            columns: columns.to_vec(),
+            rows: Vec::new(),
+        }
     }
 
     /// Adds and prints a row (floats with 4 significant digits).
@@ -22,7 +26,10 @@ impl Report {
             .iter()
             .map(|v| match v.as_f64() {
                 Some(f) if v.is_f64() => format!("{}", significant(f)),
-                _ => v.as_str().map(str::to_string).unwrap_or_else(|| v.to_string()),
+                _ => v
+                    .as_str()
+                    .map(str::to_string)
+                    .unwrap_or_else(|| v.to_string()),
             })
             .collect();
         println!("{}", text.join(","));
@@ -34,7 +41,15 @@ impl Report {
         let rows = self
             .rows
             .iter()
-            .map(|r| Value::Object(self.columns.iter().map(|c| c.to_string()).zip(r.iter().cloned()).collect::<Map<_, _>>()))
+            .map(|r| {
+                Value::Object(
+                    self.columns
+                        .iter()
+                        .map(|c| c.to_string())
+                        .zip(r.iter().cloned())
+                        .collect::<Map<_, _>>(),
+                )
+            })
             .collect();
         serde_json::json!({ "name": self.name, "rows": Value::Array(rows) })
     }

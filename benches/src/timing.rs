@@ -8,7 +8,12 @@ use burn::tensor::Device;
 /// Median microseconds per call of `f`: `reps` batches of `per_batch` calls, each batch followed
 /// by a device sync. Outputs stay alive until the sync (a lazy backend may skip work whose
 /// result is dropped early).
-pub fn median_us<T>(device: &Device, per_batch: usize, reps: usize, mut f: impl FnMut() -> T) -> f64 {
+pub fn median_us<T>(
+    device: &Device,
+    per_batch: usize,
+    reps: usize,
+    mut f: impl FnMut() -> T,
+) -> f64 {
     let batch = |f: &mut dyn FnMut() -> T| {
         let start = Instant::now();
         let outs: Vec<T> = (0..per_batch).map(|_| f()).collect();
@@ -25,8 +30,14 @@ pub fn median_us<T>(device: &Device, per_batch: usize, reps: usize, mut f: impl 
     samples[samples.len() / 2]
 }
 
-/// Calls per batch so that outputs of `out_bytes` each stay under ~1 GiB together, between 1
-/// and `max`.
-pub fn per_batch(out_bytes: usize, max: usize) -> usize {
-    ((1usize << 30) / out_bytes.max(1)).clamp(1, max)
+/// Median microseconds per call of `f`, measured by replaying a device graph that holds
+/// `calls` back-to-back calls (so host and launch overhead drop out, as in a decode step replayed
+/// with CUDA graphs). Backends without graphs re-run the closure.
+pub fn graph_us<T>(device: &Device, calls: usize, reps: usize, mut f: impl FnMut() -> T) -> f64 {
+    let mut graph = burn::tensor::capture(device, || (0..calls).map(|_| f()).collect::<Vec<T>>());
+    // SAFETY: the closure only reads tensors its caller keeps alive for the whole measurement,
+    // and nothing else runs on the device meanwhile.
+    median_us(device, 10, reps, || unsafe {
+        graph.replay();
+    }) / calls as f64
 }

@@ -21,6 +21,8 @@ pub(crate) struct DeviceCaps {
     pub cube_units: usize,
     /// Cubes that run at once, roughly: streaming multiprocessors, or CPU cores.
     pub multiprocessors: usize,
+    /// Last-level cache (L2 on GPUs), bytes, where the runtime reports it.
+    pub cache_bytes: Option<usize>,
 }
 
 impl DeviceCaps {
@@ -50,6 +52,7 @@ impl DeviceCaps {
             cmma: props.features.matmul.cmma.iter().copied().collect(),
             cube_units,
             multiprocessors,
+            cache_bytes: props.hardware.last_level_cache_size,
         }
     }
 

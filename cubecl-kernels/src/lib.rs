@@ -29,6 +29,18 @@ pub use rms_norm_linear::{add_rms_norm_linear, check_args, linear, rms_norm, rms
 use burn::backend::DispatchDevice;
 use burn::tensor::Tensor;
 
+/// Kernels index the last dimension with unit stride; anything else is copied first.
+pub(crate) fn unit_inner_stride(
+    t: burn_cubecl::tensor::CubeTensor,
+) -> burn_cubecl::tensor::CubeTensor {
+    let strides = t.meta.strides();
+    if strides[strides.len() - 1] == 1 && !t.meta.shape().contains(&0) {
+        t
+    } else {
+        burn_cubecl::kernel::into_contiguous(t)
+    }
+}
+
 /// True if `t` lives on a CubeCL device, where the ops run our kernels.
 pub(crate) fn runs_kernels<const D: usize>(t: &Tensor<D>) -> bool {
     #[allow(unreachable_patterns)]

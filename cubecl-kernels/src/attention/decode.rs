@@ -97,12 +97,12 @@ pub(crate) mod kernel {
     }
 
     /// See the module documentation.
-    #[cube(launch_unchecked)]
+    #[cube(launch_unchecked, address_type = "dynamic")]
     #[allow(clippy::too_many_arguments)]
-    pub fn paged_decode<F: Float>(
+    pub fn paged_decode<F: Float, NV: Size>(
         q: &Tensor<F>,
-        k_cache: &Tensor<F>,
-        v_cache: &Tensor<F>,
+        k_cache: &Tensor<Vector<F, NV>>,
+        v_cache: &Tensor<Vector<F, NV>>,
         block_tables: &Tensor<i32>,
         context_lens: &Tensor<i32>,
         out: &mut Tensor<F>,
@@ -120,18 +120,23 @@ pub(crate) mod kernel {
         let tid = UNIT_POS_X as usize;
         let d = cfg.head_dim;
         let group = cfg.group;
+        let units = cfg.cube_dim;
+        let nv = k_cache.vector_size();
+        let dv = comptime!(cfg.head_dim / nv); // vectors per key row
+        let lanes = comptime!(if dv < units { dv } else { units }); // units per key in the PV phase
+        let kgroups = comptime!(units / lanes); // keys in flight in the PV phase
+        let slots = comptime!(dv / lanes); // vectors of a key row per unit
+        let keys_per_group = comptime!(units / kgroups);
         let heads = comptime!(cfg.group * cfg.kv_heads);
         let ctx = context_lens[seq] as usize;
         let start = split * split_len;
         let end = min(ctx, start + split_len);
-        let owned = comptime!((cfg.group * cfg.head_dim).div_ceil(cfg.cube_dim));
 
-        // The group's queries, f32.
+        // The group's queries, f32, [group][D].
         let mut q_s = Shared::<[f32]>::new_slice(comptime!(cfg.group * cfg.head_dim));
         let mut e = tid;
         while e < comptime!(cfg.group * cfg.head_dim) {
-            let g = e / d;
-            let h = kvh * group + g;
+            let h = kvh * group + e / d;
             q_s[e] = f32::cast_from(q[seq * q.stride(0) + h * q.stride(1) + e % d]);
             e += CUBE_DIM_X as usize;
         }
@@ -144,27 +149,29 @@ pub(crate) mod kernel {
         let mut l = Array::<f32>::new(group);
         let mut s = Array::<f32>::new(group);
         let mut tot = Array::<f32>::new(group);
-        let mut acc = Array::<f32>::new(owned);
+        let mut acc = Array::<Vector<f32, NV>>::new(comptime!(cfg.group * slots));
         #[unroll]
         for g in 0..group {
             m[g] = f32::new(f32::NEG_INFINITY);
             l[g] = 0.0;
         }
         #[unroll]
-        for i in 0..owned {
-            acc[i] = 0.0;
+        for i in 0..comptime!(cfg.group * slots) {
+            acc[i] = Vector::new(0.0);
         }
         let table_row = seq * block_tables.stride(0);
+        let lane = tid % lanes;
+        let kgroup = tid / lanes;
 
         let mut chunk = start;
         while chunk < end {
-            // 1. Scores of key `chunk + tid`.
+            // 1. Unit `tid` scores key `chunk + tid` against the group's queries (16-byte loads).
             let key = chunk + tid;
             let valid = key < end;
             let mut base = 0usize;
             if valid {
                 let block = block_tables[table_row + key / block_size] as usize;
-                base = ((block * block_size + key % block_size) * cfg.kv_heads + kvh) * d;
+                base = ((block * block_size + key % block_size) * cfg.kv_heads + kvh) * dv;
             }
             base_s[tid] = base as u32;
             #[unroll]
@@ -172,16 +179,29 @@ pub(crate) mod kernel {
                 s[g] = f32::new(f32::NEG_INFINITY);
             }
             if valid {
+                let mut dots = Array::<f32>::new(group);
                 #[unroll]
                 for g in 0..group {
-                    let mut dot = 0.0f32;
-                    for j in 0..d {
-                        dot += q_s[g * d + j] * f32::cast_from(k_cache[base + j]);
+                    dots[g] = 0.0;
+                }
+                #[unroll]
+                for j in 0..dv {
+                    let kv = Vector::<f32, NV>::cast_from(k_cache[base + j]);
+                    #[unroll]
+                    for e in 0..nv {
+                        let kval = kv.extract(e);
+                        #[unroll]
+                        for g in 0..group {
+                            dots[g] += q_s[g * d + j * nv + e] * kval;
+                        }
                     }
-                    s[g] = dot * scale;
+                }
+                #[unroll]
+                for g in 0..group {
+                    s[g] = dots[g] * scale;
                 }
             }
-            // 2. Online softmax over the chunk.
+            // 2. Online softmax: new running max (a cube reduction), this key's probability.
             group_reduce(
                 &s,
                 &mut tot,
@@ -195,69 +215,91 @@ pub(crate) mod kernel {
             for g in 0..group {
                 let m_new = max(m[g], tot[g]);
                 let p = select(valid, f32::exp(s[g] - m_new), 0.0);
-                p_s[g * cfg.cube_dim + tid] = p;
-                s[g] = p;
-                // Rescale of what was accumulated so far (0 → 0 before the first key).
-                tot[g] = select(
+                let corr = select(
                     m[g] == f32::new(f32::NEG_INFINITY),
                     0.0,
                     f32::exp(m[g] - m_new),
                 );
+                p_s[g * cfg.cube_dim + tid] = p;
+                l[g] = l[g] * corr + p; // this unit's keys; summed over units at the end
+                tot[g] = corr;
                 m[g] = m_new;
             }
-            let mut sums = Array::<f32>::new(group);
-            group_reduce(
-                &s,
-                &mut sums,
-                &mut scratch,
-                group,
-                cfg.cube_dim,
-                false,
-                cfg.use_plane,
-            );
+            sync_cube();
+            // 3. acc(g, ·) = acc·corr + Σ_keys p·v, `kgroups` keys in flight, 16-byte loads of v.
             #[unroll]
             for g in 0..group {
-                l[g] = l[g] * tot[g] + sums[g];
+                #[unroll]
+                for sl in 0..slots {
+                    acc[g * slots + sl] *= Vector::new(tot[g]);
+                }
             }
-            // 3. acc(g, j) += Σ_keys p · v.
             let n_keys = min(end - chunk, CUBE_DIM_X as usize);
             #[unroll]
-            for i in 0..owned {
-                let e = tid + i * cfg.cube_dim;
-                if e < comptime!(cfg.group * cfg.head_dim) {
-                    let g = e / d;
-                    let j = e % d;
-                    let mut a = acc[i] * tot[g];
-                    for kk in 0..n_keys {
-                        let vbase = base_s[kk] as usize;
-                        a += p_s[g * cfg.cube_dim + kk] * f32::cast_from(v_cache[vbase + j]);
+            for i in 0..keys_per_group {
+                let kk = kgroup + i * kgroups;
+                if kk < n_keys {
+                    let vbase = base_s[kk] as usize;
+                    #[unroll]
+                    for sl in 0..slots {
+                        let vv = Vector::<f32, NV>::cast_from(v_cache[vbase + lane + sl * lanes]);
+                        #[unroll]
+                        for g in 0..group {
+                            acc[g * slots + sl] += vv * Vector::new(p_s[g * cfg.cube_dim + kk]);
+                        }
                     }
-                    acc[i] = a;
                 }
             }
             sync_cube();
             chunk += CUBE_DIM_X as usize;
         }
 
+        // Totals: l over units, acc over key groups (through shared memory, reusing `scratch`
+        // for l and a [kgroups][group][D] buffer for acc).
+        let mut l_tot = Array::<f32>::new(group);
+        group_reduce(
+            &l,
+            &mut l_tot,
+            &mut scratch,
+            group,
+            cfg.cube_dim,
+            false,
+            cfg.use_plane,
+        );
+        let mut red = Shared::<[f32]>::new_slice(comptime!(kgroups * cfg.group * cfg.head_dim));
         #[unroll]
-        for i in 0..owned {
-            let e = tid + i * cfg.cube_dim;
-            if e < comptime!(cfg.group * cfg.head_dim) {
-                let g = e / d;
-                let j = e % d;
-                let h = kvh * group + g;
-                if comptime!(cfg.splits == 1) {
-                    let at = seq * out.stride(0) + h * out.stride(1) + j;
-                    out[at] = F::cast_from(acc[i] / l[g]);
-                } else {
-                    let row = (seq * heads + h) * cfg.splits + split;
-                    part_acc[row * d + j] = acc[i];
-                    if j == 0 {
-                        part_stats[row * 2] = m[g];
-                        part_stats[row * 2 + 1] = l[g];
-                    }
+        for g in 0..group {
+            #[unroll]
+            for sl in 0..slots {
+                let a = acc[g * slots + sl];
+                #[unroll]
+                for e in 0..nv {
+                    red[(kgroup * group + g) * d + (lane + sl * lanes) * nv + e] = a.extract(e);
                 }
             }
+        }
+        sync_cube();
+        let mut e = tid;
+        while e < comptime!(cfg.group * cfg.head_dim) {
+            let g = e / d;
+            let j = e % d;
+            let mut a = 0.0f32;
+            for kg in 0..kgroups {
+                a += red[(kg * group + g) * d + j];
+            }
+            let h = kvh * group + g;
+            if comptime!(cfg.splits == 1) {
+                let at = seq * out.stride(0) + h * out.stride(1) + j;
+                out[at] = F::cast_from(a / l_tot[g]);
+            } else {
+                let row = (seq * heads + h) * cfg.splits + split;
+                part_acc[row * d + j] = a;
+                if j == 0 {
+                    part_stats[row * 2] = m[g];
+                    part_stats[row * 2 + 1] = l_tot[g];
+                }
+            }
+            e += CUBE_DIM_X as usize;
         }
     }
 
@@ -310,7 +352,7 @@ pub(crate) fn paged_decode(
     scale: f32,
 ) -> CubeTensor {
     let caps = DeviceCaps::of(&q.client);
-    let q = super::unit_inner_stride(q);
+    let q = crate::unit_inner_stride(q);
     let (b, heads, d) = {
         let s = q.meta.shape();
         (s[0], s[1], s[2])
@@ -347,6 +389,7 @@ pub(crate) fn paged_decode(
         splits,
         use_plane: caps.plane_ops,
     };
+    let vec = crate::rms_norm_linear::launch::vector_size(dtype, &[d]);
     let rows = if splits > 1 { b * heads * splits } else { 1 };
     let part_acc = empty_device_dtype(
         q.client.clone(),
@@ -367,6 +410,8 @@ pub(crate) fn paged_decode(
             &q.client,
             CubeCount::Static(kv_heads as u32, b as u32, splits as u32),
             CubeDim::new_1d(cube_dim as u32),
+            super::address_type(&[&k_cache, &q]),
+            vec,
             q.clone().into_tensor_arg(),
             k_cache.into_tensor_arg(),
             v_cache.into_tensor_arg(),

@@ -13,6 +13,7 @@ pub(crate) mod store_kv;
 use burn::backend::Dispatch;
 use burn::tensor::{DType, Tensor};
 use burn_cubecl::{kernel::into_contiguous, tensor::CubeTensor};
+use cubecl::prelude::AddressType;
 
 pub use kv_cache::LayerKvCache;
 pub use metadata::{AttentionMetadata, MetadataTensors};
@@ -264,16 +265,6 @@ fn check_cache(
     Ok(())
 }
 
-/// Kernels index the last dimension with unit stride; anything else is copied first.
-pub(crate) fn unit_inner_stride(t: CubeTensor) -> CubeTensor {
-    let strides = t.meta.strides();
-    if strides[strides.len() - 1] == 1 {
-        t
-    } else {
-        into_contiguous(t)
-    }
-}
-
 /// A buffer the op may write in place: the cache itself when nothing else holds it, else a copy.
 pub(crate) fn writable(t: CubeTensor) -> CubeTensor {
     if t.can_mut() && t.is_contiguous() {
@@ -298,4 +289,13 @@ pub(crate) fn upload_i32<const D: usize>(
         handle,
         DType::I32,
     )
+}
+
+/// The index width the kernels need: 64-bit once any tensor holds 2³² elements or more.
+pub(crate) fn address_type(tensors: &[&CubeTensor]) -> AddressType {
+    tensors
+        .iter()
+        .map(|t| t.required_address_type())
+        .max()
+        .unwrap_or_default()
 }

@@ -37,7 +37,7 @@ pub(crate) mod kernel {
     }
 
     /// See the module documentation.
-    #[cube(launch_unchecked)]
+    #[cube(launch_unchecked, address_type = "dynamic")]
     #[allow(clippy::too_many_arguments)]
     pub fn paged_prefill<F: Float>(
         q: &Tensor<F>,
@@ -183,7 +183,7 @@ pub(crate) fn paged_prefill(
     scale: f32,
 ) -> CubeTensor {
     let caps = DeviceCaps::of(&q.client);
-    let q = super::unit_inner_stride(q);
+    let q = crate::unit_inner_stride(q);
     let (t, heads, d) = {
         let s = q.meta.shape();
         (s[0], s[1], s[2])
@@ -223,6 +223,7 @@ pub(crate) fn paged_prefill(
             &q.client,
             CubeCount::Static(num_tiles as u32, heads as u32, 1),
             CubeDim::new_1d(block_q as u32),
+            super::address_type(&[&k_cache, &q]),
             q.clone().into_tensor_arg(),
             k_cache.into_tensor_arg(),
             v_cache.into_tensor_arg(),

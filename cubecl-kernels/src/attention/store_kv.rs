@@ -53,7 +53,7 @@ pub(crate) mod kernel {
     }
 
     /// See the module documentation.
-    #[cube(launch_unchecked)]
+    #[cube(launch_unchecked, address_type = "dynamic")]
     #[allow(clippy::too_many_arguments)]
     pub fn rope_store_kv<F: Float>(
         q: &Tensor<F>,
@@ -215,6 +215,7 @@ pub(crate) fn rope_store_kv(
             &k_cache.client,
             CubeCount::Static(t as u32, (layout.heads + layout.kv_heads) as u32, 1),
             CubeDim::new_1d(cfg.cube_dim as u32),
+            super::address_type(&[&k_cache, &q]),
             q.into_tensor_arg(),
             k.into_tensor_arg(),
             v.into_tensor_arg(),

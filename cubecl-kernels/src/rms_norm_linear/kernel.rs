@@ -12,7 +12,7 @@
 //! | --- | --- | --- |
 //! | `rms_stats` | one cube per row `m` | `cube_dim` units striding over `K` |
 //! | `linear_skinny` (small `M`) | one cube per `rows` output features | `cube_dim` units striding over `K` in vectors; loops over `M` in tiles of `m_tile` rows |
-//! | `linear_tiled` (large `M`) | one cube per `BM × BN` output tile | 128 units (4 planes on GPUs) |
+//! | `linear_tiled` (large `M`, no tensor cores) | one cube per `bm × bn` output tile | `bm·bn/16` units |
 
 use cubecl::prelude::*;
 
@@ -48,8 +48,6 @@ pub struct TiledConfig {
     pub has_norm: bool,
     /// Add a bias.
     pub has_bias: bool,
-    /// Tensor-core (cmma 16×16×16) products; otherwise f32 FMA on 4×4 register tiles.
-    pub use_cmma: bool,
 }
 
 /// Sum of `value` over the whole cube, returned to every unit.
@@ -81,18 +79,24 @@ pub fn cube_sum(value: f32, scratch: &mut Shared<[f32]>, #[comptime] use_plane: 
 }
 
 /// `inv_rms[m] = 1 / sqrt(mean_k(h[m, k]²) + eps)` with `h = x (+ residual)`; with a residual,
-/// `h` is also written to `h_out` (rounded to `F` first, as the model's residual stream is).
+/// `h` is also written to `h_out` (rounded to `F` first, as the model's residual stream is); with
+/// `write_normed`, `normed[m, k] = h[m, k]·inv_rms[m]·g[k]` (for products that are not fused).
 ///
-/// Grid: one cube per row. `x`, `residual`, `h_out`: `[M, K]`; `inv_rms`: `[M]`.
+/// Grid: one cube per row. `x`, `residual`, `h_out`, `normed`: `[M, K]`; `gamma`: `[K]`;
+/// `inv_rms`: `[M]`. Each unit revisits in the second pass the elements it wrote in the first.
 #[cube(launch_unchecked)]
+#[allow(clippy::too_many_arguments)]
 pub fn rms_stats<F: Float>(
     x: &Tensor<F>,
     residual: &Tensor<F>,
+    gamma: &Tensor<F>,
     h_out: &mut Tensor<F>,
+    normed: &mut Tensor<F>,
     inv_rms: &mut Tensor<f32>,
     eps: f32,
     #[comptime] cube_dim: usize,
     #[comptime] has_residual: bool,
+    #[comptime] write_normed: bool,
     #[comptime] use_plane: bool,
     #[define(F)] _dtype: ElemType,
 ) {
@@ -113,8 +117,22 @@ pub fn rms_stats<F: Float>(
     }
     let mut scratch = Shared::<[f32]>::new_slice(cube_dim);
     let total = cube_sum(acc, &mut scratch, use_plane);
+    let inv = f32::inverse_sqrt(total / f32::cast_from(k) + eps);
     if UNIT_POS_X == 0 {
-        inv_rms[row] = f32::inverse_sqrt(total / f32::cast_from(k) + eps);
+        inv_rms[row] = inv;
+    }
+    if comptime!(write_normed) {
+        let mut i = UNIT_POS_X as usize;
+        while i < k {
+            let v = if comptime!(has_residual) {
+                h_out[row * h_out.stride(0) + i]
+            } else {
+                x[row * x.stride(0) + i]
+            };
+            let at = row * normed.stride(0) + i;
+            normed[at] = F::cast_from(f32::cast_from(v) * inv * f32::cast_from(gamma[i]));
+            i += CUBE_DIM_X as usize;
+        }
     }
 }
 
@@ -231,23 +249,21 @@ pub fn linear_skinny<F: Float, NV: Size>(
     }
 }
 
-/// `y = (x·g·inv_rms) · Wᵀ (+ b)` by output tiles, for large `M`.
+/// `y = (x·g·inv_rms) · Wᵀ (+ b)` by output tiles, for large `M` on devices without bf16/f16
+/// tensor cores (CPU runtimes) and for f32.
 ///
-/// Grid: `(ceil(N / bn), ceil(M / bm))`; cube: `cube_dim` units. For each `bk`-wide stage of `K`
-/// the cube stages the normalised `x` tile (`[bm, bk]`, cast to `F`) and the weight tile
-/// (`[bn, bk]`, i.e. `Wᵀ` column-major) in shared memory, then either
-/// - cmma (`bm = bn = 64`): each of the 4 planes owns a 32×32 quadrant, 2×2 16×16 f32
-///   accumulators, or
-/// - FMA: each unit owns a 4×4 register tile (`bm·bn/16 = cube_dim`).
+/// Grid: `(ceil(N / bn), ceil(M / bm))`; cube: `cube_dim = bm·bn/16` units, each owning a 4×4
+/// f32 register tile. For each `bk`-wide stage of `K` the cube stages the normalised `x` tile
+/// (`[bm, bk]`, cast to `F`) and the weight tile (`[bn, bk]`) in shared memory with vector loads.
 ///
 /// The accumulators go through shared memory (f32) to a bounds-checked epilogue that adds the
 /// bias and casts to `F`. Out-of-range rows, features and `K` columns are staged as zeros.
 #[cube(launch_unchecked)]
-pub fn linear_tiled<F: Float>(
-    x: &Tensor<F>,
+pub fn linear_tiled<F: Float, NV: Size>(
+    x: &Tensor<Vector<F, NV>>,
     inv_rms: &Tensor<f32>,
-    gamma: &Tensor<F>,
-    w: &Tensor<F>,
+    gamma: &Tensor<Vector<F, NV>>,
+    w: &Tensor<Vector<F, NV>>,
     bias: &Tensor<F>,
     out: &mut Tensor<F>,
     #[comptime] cfg: TiledConfig,
@@ -260,192 +276,63 @@ pub fn linear_tiled<F: Float>(
     let m0 = CUBE_POS_Y as usize * bm;
     let n0 = CUBE_POS_X as usize * bn;
     let tid = UNIT_POS_X as usize;
-    let (x_pitch, w_pitch) = (x.stride(0), w.stride(0));
+    let nv = x.vector_size();
+    let (x_pitch, w_pitch) = (x.stride(0) / nv, w.stride(0) / nv);
 
     let mut a_tile = Shared::<[F]>::new_slice(comptime!(bm * bk));
     let mut b_tile = Shared::<[F]>::new_slice(comptime!(bn * bk));
     let mut c_tile = Shared::<[f32]>::new_slice(comptime!(bm * bn));
 
-    let a_elems = comptime!(bm * bk);
-    let b_elems = comptime!(bn * bk);
-
-    if comptime!(cfg.use_cmma) {
-        // 4 planes in a 2×2 grid, each owning a 32×32 quadrant = 2×2 fragments (bm = bn = 64).
-        let plane = PLANE_POS as usize;
-        let pm = (plane / 2) * 32;
-        let pn = (plane % 2) * 32;
-        let c00 = cmma::Matrix::<f32>::from_value(
-            cmma::MatrixIdent::Accumulator,
-            16usize,
-            16usize,
-            16usize,
-            cmma::MatrixLayout::Undefined,
-            0.0,
+    // FMA: unit `tid` owns rows `tm..tm+4`, features `tn..tn+4` of the tile.
+    let cols = comptime!(bn / 4);
+    let tm = (tid / cols) * 4;
+    let tn = (tid % cols) * 4;
+    let mut acc = Array::<f32>::new(16usize);
+    #[unroll]
+    for i in 0..16 {
+        acc[i] = 0.0;
+    }
+    let mut k0 = 0usize;
+    while k0 < k_total {
+        stage_tiles::<F, NV>(
+            x,
+            inv_rms,
+            gamma,
+            w,
+            &mut a_tile,
+            &mut b_tile,
+            m0,
+            n0,
+            k0,
+            x_pitch,
+            w_pitch,
+            cfg,
         );
-        let c01 = cmma::Matrix::<f32>::from_value(
-            cmma::MatrixIdent::Accumulator,
-            16usize,
-            16usize,
-            16usize,
-            cmma::MatrixLayout::Undefined,
-            0.0,
-        );
-        let c10 = cmma::Matrix::<f32>::from_value(
-            cmma::MatrixIdent::Accumulator,
-            16usize,
-            16usize,
-            16usize,
-            cmma::MatrixLayout::Undefined,
-            0.0,
-        );
-        let c11 = cmma::Matrix::<f32>::from_value(
-            cmma::MatrixIdent::Accumulator,
-            16usize,
-            16usize,
-            16usize,
-            cmma::MatrixLayout::Undefined,
-            0.0,
-        );
-        let mut k0 = 0usize;
-        while k0 < k_total {
-            stage_tiles::<F>(
-                x,
-                inv_rms,
-                gamma,
-                w,
-                &mut a_tile,
-                &mut b_tile,
-                m0,
-                n0,
-                k0,
-                x_pitch,
-                w_pitch,
-                cfg,
-            );
-            sync_cube();
+        sync_cube();
+        for kk in 0..bk {
+            let mut a = Array::<f32>::new(4usize);
+            let mut b = Array::<f32>::new(4usize);
             #[unroll]
-            for kk in 0..comptime!(bk / 16) {
-                let a0 = cmma::Matrix::<F>::from_slice(
-                    cmma::MatrixIdent::A,
-                    16usize,
-                    16usize,
-                    16usize,
-                    cmma::MatrixLayout::RowMajor,
-                    &a_tile[pm * bk + kk * 16..a_elems],
-                    bk as u32,
-                );
-                let a1 = cmma::Matrix::<F>::from_slice(
-                    cmma::MatrixIdent::A,
-                    16usize,
-                    16usize,
-                    16usize,
-                    cmma::MatrixLayout::RowMajor,
-                    &a_tile[(pm + 16) * bk + kk * 16..a_elems],
-                    bk as u32,
-                );
-                let b0 = cmma::Matrix::<F>::from_slice(
-                    cmma::MatrixIdent::B,
-                    16usize,
-                    16usize,
-                    16usize,
-                    cmma::MatrixLayout::ColMajor,
-                    &b_tile[pn * bk + kk * 16..b_elems],
-                    bk as u32,
-                );
-                let b1 = cmma::Matrix::<F>::from_slice(
-                    cmma::MatrixIdent::B,
-                    16usize,
-                    16usize,
-                    16usize,
-                    cmma::MatrixLayout::ColMajor,
-                    &b_tile[(pn + 16) * bk + kk * 16..b_elems],
-                    bk as u32,
-                );
-                cmma::execute(&a0, &b0, &c00, &c00);
-                cmma::execute(&a0, &b1, &c01, &c01);
-                cmma::execute(&a1, &b0, &c10, &c10);
-                cmma::execute(&a1, &b1, &c11, &c11);
+            for i in 0..4 {
+                a[i] = f32::cast_from(a_tile[(tm + i) * bk + kk]);
+                b[i] = f32::cast_from(b_tile[(tn + i) * bk + kk]);
             }
-            sync_cube();
-            k0 += bk;
-        }
-        let c_elems = comptime!(bm * bn);
-        cmma::store(
-            &mut c_tile[pm * bn + pn..c_elems],
-            &c00,
-            bn as u32,
-            cmma::MatrixLayout::RowMajor,
-        );
-        cmma::store(
-            &mut c_tile[pm * bn + pn + 16..c_elems],
-            &c01,
-            bn as u32,
-            cmma::MatrixLayout::RowMajor,
-        );
-        cmma::store(
-            &mut c_tile[(pm + 16) * bn + pn..c_elems],
-            &c10,
-            bn as u32,
-            cmma::MatrixLayout::RowMajor,
-        );
-        cmma::store(
-            &mut c_tile[(pm + 16) * bn + pn + 16..c_elems],
-            &c11,
-            bn as u32,
-            cmma::MatrixLayout::RowMajor,
-        );
-    } else {
-        // FMA: unit `tid` owns rows `tm..tm+4`, features `tn..tn+4` of the tile.
-        let cols = comptime!(bn / 4);
-        let tm = (tid / cols) * 4;
-        let tn = (tid % cols) * 4;
-        let mut acc = Array::<f32>::new(16usize);
-        #[unroll]
-        for i in 0..16 {
-            acc[i] = 0.0;
-        }
-        let mut k0 = 0usize;
-        while k0 < k_total {
-            stage_tiles::<F>(
-                x,
-                inv_rms,
-                gamma,
-                w,
-                &mut a_tile,
-                &mut b_tile,
-                m0,
-                n0,
-                k0,
-                x_pitch,
-                w_pitch,
-                cfg,
-            );
-            sync_cube();
-            for kk in 0..bk {
-                let mut a = Array::<f32>::new(4usize);
-                let mut b = Array::<f32>::new(4usize);
+            #[unroll]
+            for i in 0..4 {
                 #[unroll]
-                for i in 0..4 {
-                    a[i] = f32::cast_from(a_tile[(tm + i) * bk + kk]);
-                    b[i] = f32::cast_from(b_tile[(tn + i) * bk + kk]);
-                }
-                #[unroll]
-                for i in 0..4 {
-                    #[unroll]
-                    for j in 0..4 {
-                        acc[i * 4 + j] += a[i] * b[j];
-                    }
+                for j in 0..4 {
+                    acc[i * 4 + j] += a[i] * b[j];
                 }
             }
-            sync_cube();
-            k0 += bk;
         }
+        sync_cube();
+        k0 += bk;
+    }
+    #[unroll]
+    for i in 0..4 {
         #[unroll]
-        for i in 0..4 {
-            #[unroll]
-            for j in 0..4 {
-                c_tile[(tm + i) * bn + tn + j] = acc[i * 4 + j];
-            }
+        for j in 0..4 {
+            c_tile[(tm + i) * bn + tn + j] = acc[i * 4 + j];
         }
     }
     sync_cube();
@@ -468,14 +355,15 @@ pub fn linear_tiled<F: Float>(
 }
 
 /// Stages `a_tile[r][c] = x[m0 + r, k0 + c] · g[k0 + c] · inv_rms[m0 + r]` (cast to `F`) and
-/// `b_tile[r][c] = W[n0 + r, k0 + c]`, zero outside the matrices.
+/// `b_tile[r][c] = W[n0 + r, k0 + c]`, zero outside the matrices. Each unit first issues all its
+/// vector loads (16 bytes each), then writes shared memory.
 #[cube]
 #[allow(clippy::too_many_arguments)]
-fn stage_tiles<F: Float>(
-    x: &Tensor<F>,
+fn stage_tiles<F: Float, NV: Size>(
+    x: &Tensor<Vector<F, NV>>,
     inv_rms: &Tensor<f32>,
-    gamma: &Tensor<F>,
-    w: &Tensor<F>,
+    gamma: &Tensor<Vector<F, NV>>,
+    w: &Tensor<Vector<F, NV>>,
     a_tile: &mut Shared<[F]>,
     b_tile: &mut Shared<[F]>,
     m0: usize,
@@ -485,37 +373,65 @@ fn stage_tiles<F: Float>(
     w_pitch: usize,
     #[comptime] cfg: TiledConfig,
 ) {
+    let nv = x.vector_size();
+    let row_vecs = comptime!(cfg.bk / nv);
+    let a_vecs = comptime!(cfg.bm * cfg.bk / nv);
+    let b_vecs = comptime!(cfg.bn * cfg.bk / nv);
+    let a_per_unit = comptime!(a_vecs.div_ceil(cfg.cube_dim));
+    let b_per_unit = comptime!(b_vecs.div_ceil(cfg.cube_dim));
     let m_total = x.shape(0);
     let n_total = w.shape(0);
-    let k_total = w.shape(1);
-    let mut e = UNIT_POS_X as usize;
-    while e < comptime!(cfg.bm * cfg.bk) {
-        let r = e / cfg.bk;
-        let c = e % cfg.bk;
-        let (m, k) = (m0 + r, k0 + c);
-        let mut v = F::new(0.0);
-        if m < m_total && k < k_total {
+    let k_vecs = w.shape(1) / nv;
+    let kv0 = k0 / nv;
+    let tid = UNIT_POS_X as usize;
+
+    let mut a = Array::<Vector<f32, NV>>::new(a_per_unit);
+    #[unroll]
+    for i in 0..a_per_unit {
+        let e = tid + i * cfg.cube_dim;
+        let (r, c) = (e / row_vecs, e % row_vecs);
+        let (m, kv) = (m0 + r, kv0 + c);
+        let mut v = Vector::<f32, NV>::new(0.0);
+        if e < a_vecs && m < m_total && kv < k_vecs {
+            v = Vector::<f32, NV>::cast_from(x[m * x_pitch + kv]);
             if comptime!(cfg.has_norm) {
-                v = F::cast_from(
-                    f32::cast_from(x[m * x_pitch + k]) * inv_rms[m] * f32::cast_from(gamma[k]),
-                );
-            } else {
-                v = x[m * x_pitch + k];
+                v = v * Vector::<f32, NV>::cast_from(gamma[kv]) * Vector::new(inv_rms[m]);
             }
         }
-        a_tile[e] = v;
-        e += CUBE_DIM_X as usize;
+        a[i] = v;
     }
-    let mut e = UNIT_POS_X as usize;
-    while e < comptime!(cfg.bn * cfg.bk) {
-        let r = e / cfg.bk;
-        let c = e % cfg.bk;
-        let (n, k) = (n0 + r, k0 + c);
-        let mut v = F::new(0.0);
-        if n < n_total && k < k_total {
-            v = w[n * w_pitch + k];
+    let mut b = Array::<Vector<F, NV>>::new(b_per_unit);
+    #[unroll]
+    for i in 0..b_per_unit {
+        let e = tid + i * cfg.cube_dim;
+        let (r, c) = (e / row_vecs, e % row_vecs);
+        let (n, kv) = (n0 + r, kv0 + c);
+        let mut v = Vector::<F, NV>::new(F::new(0.0));
+        if e < b_vecs && n < n_total && kv < k_vecs {
+            v = w[n * w_pitch + kv];
         }
-        b_tile[e] = v;
-        e += CUBE_DIM_X as usize;
+        b[i] = v;
+    }
+    #[unroll]
+    for i in 0..a_per_unit {
+        let e = tid + i * cfg.cube_dim;
+        if e < a_vecs {
+            let v = a[i];
+            #[unroll]
+            for j in 0..nv {
+                a_tile[e * nv + j] = F::cast_from(v.extract(j));
+            }
+        }
+    }
+    #[unroll]
+    for i in 0..b_per_unit {
+        let e = tid + i * cfg.cube_dim;
+        if e < b_vecs {
+            let v = b[i];
+            #[unroll]
+            for j in 0..nv {
+                b_tile[e * nv + j] = v.extract(j);
+            }
+        }
     }
 }

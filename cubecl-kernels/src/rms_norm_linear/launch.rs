@@ -1,17 +1,37 @@
 //! Host side of the RMSNorm + linear family on CubeCL runtimes: argument checks, output
 //! allocation, kernel choice and launch geometry (the device code is in `kernel.rs`).
+//!
+//! Paths, by the number of rows `M` (crossovers measured on an H200, docs/BENCHMARKS.md):
+//! - `M ≤ 8`, or `M ≤ 32` with a weight that fits a quarter of the last-level cache:
+//!   `linear_skinny`, which streams each weight row once per 8 rows (decode sizes);
+//! - larger `M` on devices with bf16/f16 tensor cores: `rms_stats` writes the normalised rows,
+//!   then cubek's autotuned tensor-core matmul (Burn's `float_matmul`) does the product (it beat
+//!   our own tiled cmma kernel 2–4× at every M ≥ 64 we measured, so that one was retired);
+//! - elsewhere (f32, CPU runtimes): `linear_tiled` with FMA register tiles.
+//!
+//! `BURN_NANOVLLM_SKINNY_MAX_M` overrides the skinny bound, for benchmarks.
+
+use std::sync::OnceLock;
 
 use burn::backend::cubecl::dtype_to_storage_type;
+use burn::backend::ops::FloatTensorOps;
 use burn::tensor::{DType, Shape};
-use burn_cubecl::{kernel::into_contiguous, ops::numeric::empty_device_dtype, tensor::CubeTensor};
+use burn_cubecl::{CubeBackend, ops::numeric::empty_device_dtype, tensor::CubeTensor};
 use cubecl::prelude::{CubeCount, CubeDim};
 
 use super::kernel::{SkinnyConfig, TiledConfig, linear_skinny, linear_tiled, rms_stats};
 use crate::device_caps::DeviceCaps;
+use crate::unit_inner_stride;
 
-/// Largest `M` handled by the weight-streaming skinny kernel; above it the tiled kernel wins
-/// (it reuses each staged weight tile for 64 rows).
-const SKINNY_MAX_M: usize = 32;
+/// Rows per register tile of the skinny kernel: up to this `M` the weight is read once.
+const SKINNY_TILE_M: usize = 8;
+
+/// Largest `M` for the skinny kernel when the weight stays cache-resident across row tiles.
+const SKINNY_CACHED_MAX_M: usize = 32;
+
+/// Last-level cache assumed where the runtime does not report one (CUDA does not, today):
+/// 48 MiB, about an H100's L2 (an H200 has 60 MB).
+const CACHE_FALLBACK_BYTES: usize = 48 << 20;
 
 /// The fused op on CubeCL tensors: `h = x (+ residual)`, `y = rms_norm(h)·Wᵀ (+ b)` (without
 /// `gamma`, a plain linear). Returns `(y [M, N], h [M, K])`. Arguments were checked by
@@ -30,64 +50,79 @@ pub(crate) fn fused_linear(
     let n = w.meta.shape()[0];
     let caps = DeviceCaps::of(&x.client);
     let dtype = x.dtype;
+    let cached = n * k * dtype.size() <= caps.cache_bytes.unwrap_or(CACHE_FALLBACK_BYTES) / 4;
+    let skinny = k < 16
+        || match skinny_max_m_override() {
+            Some(max) => m <= max,
+            None => m <= SKINNY_TILE_M || (cached && m <= SKINNY_CACHED_MAX_M),
+        };
+    let matmul = !skinny && caps.cmma_16x16x16(dtype);
 
-    // Row statistics (and the residual sum) once per row.
+    // Row statistics (and the residual sum, and for the matmul path the normalised rows) once
+    // per row.
+    let client = x.client.clone();
+    let alloc = |shape: [usize; 2], dt: DType| {
+        empty_device_dtype(client.clone(), x.device.clone(), Shape::new(shape), dt)
+    };
+    let mut normed = None;
     let (h, inv_rms) = if gamma.is_some() || residual.is_some() {
-        let inv_rms = empty_device_dtype(
-            x.client.clone(),
-            x.device.clone(),
-            Shape::new([m.max(1)]),
-            DType::F32,
-        );
+        let inv_rms = alloc([m.max(1), 1], DType::F32);
         let h = match &residual {
-            Some(_) => empty_device_dtype(
-                x.client.clone(),
-                x.device.clone(),
-                Shape::new([m, k]),
-                dtype,
-            ),
+            Some(_) => alloc([m, k], dtype),
             None => x.clone(),
+        };
+        let write_normed = matmul && gamma.is_some();
+        let out_normed = if write_normed {
+            alloc([m, k], dtype)
+        } else {
+            h.clone()
         };
         let r = residual
             .clone()
             .map(unit_inner_stride)
             .unwrap_or_else(|| x.clone());
+        let g = gamma.clone().unwrap_or_else(|| x.clone());
         if m > 0 {
             // SAFETY: one cube per row; every index is below the row's `K` (checked shapes).
             unsafe {
                 rms_stats::launch_unchecked(
-                    &x.client,
+                    &client,
                     CubeCount::Static(m as u32, 1, 1),
                     CubeDim::new_1d(caps.cube_units as u32),
                     x.clone().into_tensor_arg(),
                     r.into_tensor_arg(),
+                    g.into_tensor_arg(),
                     h.clone().into_tensor_arg(),
+                    out_normed.clone().into_tensor_arg(),
                     inv_rms.clone().into_tensor_arg(),
                     eps,
                     caps.cube_units,
                     residual.is_some(),
+                    write_normed,
                     caps.plane_ops,
                     dtype_to_storage_type(dtype),
                 );
             }
         }
+        if write_normed {
+            normed = Some(out_normed);
+        }
         (h, inv_rms)
     } else {
-        let inv_rms = empty_device_dtype(
-            x.client.clone(),
-            x.device.clone(),
-            Shape::new([1]),
-            DType::F32,
-        );
-        (x.clone(), inv_rms)
+        (x.clone(), alloc([1, 1], DType::F32))
     };
 
-    let out = empty_device_dtype(
-        x.client.clone(),
-        x.device.clone(),
-        Shape::new([m, n]),
-        dtype,
-    );
+    if matmul {
+        let lhs = normed.unwrap_or_else(|| h.clone());
+        let y = CubeBackend::float_matmul(lhs, CubeBackend::float_transpose(w));
+        let y = match bias {
+            Some(b) => CubeBackend::float_add(y, CubeBackend::float_reshape(b, Shape::new([1, n]))),
+            None => y,
+        };
+        return (y, h);
+    }
+
+    let out = alloc([m, n], dtype);
     if m == 0 || n == 0 {
         return (out, h);
     }
@@ -97,11 +132,11 @@ pub(crate) fn fused_linear(
     let gamma = gamma.unwrap_or_else(|| h.clone());
     let bias = bias.unwrap_or_else(|| h.clone());
 
-    if m <= SKINNY_MAX_M || k < 16 {
+    if skinny {
         let vec = vector_size(dtype, &[k, h.meta.strides()[0], w.meta.strides()[0]]);
         let cfg = SkinnyConfig {
             rows: 4,
-            m_tile: m.min(8),
+            m_tile: m.min(SKINNY_TILE_M),
             cube_dim: caps.cube_units,
             has_norm,
             has_bias,
@@ -111,7 +146,7 @@ pub(crate) fn fused_linear(
         // writes are bounds-checked; `K` is a multiple of the vector size.
         unsafe {
             linear_skinny::launch_unchecked(
-                &x.client,
+                &client,
                 CubeCount::Static(n.div_ceil(cfg.rows) as u32, 1, 1),
                 CubeDim::new_1d(cfg.cube_dim as u32),
                 vec,
@@ -126,32 +161,32 @@ pub(crate) fn fused_linear(
             );
         }
     } else {
-        let use_cmma = caps.cmma_16x16x16(dtype) && caps.cube_units == 4 * 32;
-        // FMA: each unit owns a 4×4 register tile (8 × 16 units on GPUs, a 1 × units row on CPUs).
-        let (bm, bn) = match (use_cmma, caps.cube_units) {
-            (true, _) => (64, 64),
-            (false, 128) => (32, 64),
-            (false, units) => (4, 4 * units),
+        // Each unit owns a 4×4 register tile: 8 × 16 units on GPUs, a 1 × units row on CPUs.
+        let (bm, bn) = if caps.cube_units >= 128 {
+            (32, 64)
+        } else {
+            (4, 4 * caps.cube_units)
         };
         let cfg = TiledConfig {
             bm,
             bn,
-            bk: if use_cmma { 64 } else { 32 },
-            cube_dim: if use_cmma {
-                caps.cube_units
-            } else {
-                bm * bn / 16
-            },
+            bk: 32,
+            cube_dim: bm * bn / 16,
             has_norm,
             has_bias,
-            use_cmma,
         };
+        // K, the row pitches and the stage width must be multiples of the vector.
+        let vec = vector_size(
+            dtype,
+            &[k, cfg.bk, h.meta.strides()[0], w.meta.strides()[0]],
+        );
         // SAFETY: staging loads and epilogue stores are bounds-checked against M, N, K.
         unsafe {
             linear_tiled::launch_unchecked(
-                &x.client,
+                &client,
                 CubeCount::Static(n.div_ceil(cfg.bn) as u32, m.div_ceil(cfg.bm) as u32, 1),
                 CubeDim::new_1d(cfg.cube_dim as u32),
+                vec,
                 h.clone().into_tensor_arg(),
                 inv_rms.into_tensor_arg(),
                 gamma.into_tensor_arg(),
@@ -166,19 +201,19 @@ pub(crate) fn fused_linear(
     (out, h)
 }
 
+/// `BURN_NANOVLLM_SKINNY_MAX_M` (read once): a fixed skinny bound, for benchmarks.
+fn skinny_max_m_override() -> Option<usize> {
+    static VALUE: OnceLock<Option<usize>> = OnceLock::new();
+    *VALUE.get_or_init(|| {
+        std::env::var("BURN_NANOVLLM_SKINNY_MAX_M")
+            .ok()
+            .and_then(|v| v.parse().ok())
+    })
+}
+
 fn dims2(t: &CubeTensor) -> [usize; 2] {
     let s = t.meta.shape();
     [s[0], s[1]]
-}
-
-/// Kernels index the last dimension with unit stride; anything else is copied first.
-fn unit_inner_stride(t: CubeTensor) -> CubeTensor {
-    let strides = t.meta.strides();
-    if strides[strides.len() - 1] == 1 && !t.meta.shape().iter().any(|&d| d == 0) {
-        t
-    } else {
-        into_contiguous(t)
-    }
 }
 
 /// Widest vector (at most 16 bytes) whose length divides every extent and row pitch given.

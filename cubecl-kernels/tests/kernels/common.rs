@@ -6,7 +6,10 @@ use rand::{Rng, SeedableRng, rngs::StdRng};
 /// References run on the Flex backend.
 pub fn kernel_device() -> Device {
     match std::env::var("KERNEL_TEST_DEVICE") {
-        Ok(name) => name.parse::<cubecl_kernels::DeviceKind>().and_then(|k| k.device()).expect("KERNEL_TEST_DEVICE"),
+        Ok(name) => name
+            .parse::<cubecl_kernels::DeviceKind>()
+            .and_then(|k| k.device())
+            .expect("KERNEL_TEST_DEVICE"),
         Err(_) => Device::cpu(),
     }
 }
