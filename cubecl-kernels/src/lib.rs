@@ -24,7 +24,9 @@ pub use attention::{
 };
 pub use device::DeviceKind;
 pub use error::KernelError;
-pub use rms_norm_linear::{add_rms_norm_linear, check_args, linear, rms_norm, rms_norm_linear};
+pub use rms_norm_linear::{
+    FusedRmsNormLinear, add_rms_norm_linear, check_args, linear, rms_norm, rms_norm_linear,
+};
 
 use burn::backend::DispatchDevice;
 use burn::tensor::Tensor;

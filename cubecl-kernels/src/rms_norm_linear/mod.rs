@@ -5,7 +5,10 @@
 
 pub(crate) mod kernel;
 pub(crate) mod launch;
+mod module;
 pub mod reference;
+
+pub use module::FusedRmsNormLinear;
 
 use burn::backend::Dispatch;
 use burn::tensor::{DType, Tensor};
