@@ -23,6 +23,8 @@ pub(crate) struct DeviceCaps {
     pub multiprocessors: usize,
     /// Last-level cache (L2 on GPUs), bytes, where the runtime reports it.
     pub cache_bytes: Option<usize>,
+    /// Shared memory one cube may use, bytes.
+    pub shared_bytes: usize,
 }
 
 impl DeviceCaps {
@@ -53,6 +55,7 @@ impl DeviceCaps {
             cube_units,
             multiprocessors,
             cache_bytes: props.hardware.last_level_cache_size,
+            shared_bytes: props.hardware.max_shared_memory_size,
         }
     }
 
