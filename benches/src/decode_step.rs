@@ -110,7 +110,15 @@ fn step_burn(w: &Weights, x: &Tensor<2>) -> Tensor<2> {
     reference::rms_norm_linear(x, w.gf.clone(), w.head.clone(), None, 1e-6)
 }
 
-pub fn run(model: &str, c: &Qwen2Config, ms: &[usize], device: &Device, dtype: DType) -> Report {
+/// `with_burn = false` times only our ops (and skips the comparison), e.g. under a profiler.
+pub fn run(
+    model: &str,
+    c: &Qwen2Config,
+    ms: &[usize],
+    with_burn: bool,
+    device: &Device,
+    dtype: DType,
+) -> Report {
     let mut report = Report::new(
         &format!("decode step without attention {model} {dtype:?}"),
         &[
@@ -130,11 +138,17 @@ pub fn run(model: &str, c: &Qwen2Config, ms: &[usize], device: &Device, dtype: D
             Distribution::Normal(0.0, 1.0),
             (device, dtype),
         );
-        let err = crate::linear::rel_err(step_ours(&w, &x), step_burn(&w, &x));
         let eager_ours = median_us(device, 5, 10, || step_ours(&w, &x)) / 1e3;
-        let eager_burn = median_us(device, 5, 10, || step_burn(&w, &x)) / 1e3;
         let graph_ours = graph_us(device, 1, 10, || step_ours(&w, &x)) / 1e3;
-        let graph_burn = graph_us(device, 1, 10, || step_burn(&w, &x)) / 1e3;
+        let (err, eager_burn, graph_burn) = if with_burn {
+            (
+                crate::linear::rel_err(step_ours(&w, &x), step_burn(&w, &x)),
+                median_us(device, 5, 10, || step_burn(&w, &x)) / 1e3,
+                graph_us(device, 1, 10, || step_burn(&w, &x)) / 1e3,
+            )
+        } else {
+            (f64::NAN, f64::NAN, f64::NAN)
+        };
         report.row(vec![
             json!(model),
             json!(m),

@@ -28,10 +28,11 @@ struct Cli {
     /// Smaller shapes, for a smoke test on a CPU.
     #[arg(long)]
     quick: bool,
-    /// Rows M of the linear suite (comma-separated), instead of 1,8,16,32,64,128,256,1024,4096.
+    /// Rows M of the linear and step suites (comma-separated), instead of their defaults
+    /// (1,8,16,32,64,128,256,1024,4096 and 1,16,64,256).
     #[arg(long, value_delimiter = ',')]
     ms: Vec<usize>,
-    /// Skip Burn's own ops (the baselines) in the linear suite.
+    /// Skip Burn's own ops (the baselines) in the linear and step suites.
     #[arg(long)]
     ours_only: bool,
     /// Write all tables as JSON here.
@@ -121,12 +122,17 @@ fn main() -> Result<()> {
     }
     if want(Suite::Step) {
         let mut c = config("qwen2-0.5b")?;
-        let ms: &[usize] = if q { &[1, 4] } else { &[1, 16, 64, 256] };
+        let default: &[usize] = if q { &[1, 4] } else { &[1, 16, 64, 256] };
+        let ms = if cli.ms.is_empty() {
+            default
+        } else {
+            &cli.ms[..]
+        };
         if q {
             c.num_hidden_layers = 2;
             c.vocab_size = 1000;
         }
-        tables.push(decode_step::run("qwen2-0.5b", &c, ms, &device, dtype).json());
+        tables.push(decode_step::run("qwen2-0.5b", &c, ms, !cli.ours_only, &device, dtype).json());
     }
     if let Some(out) = cli.out {
         std::fs::write(&out, serde_json::to_string_pretty(&tables)?)
