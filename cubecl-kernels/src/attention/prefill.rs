@@ -407,7 +407,7 @@ pub(crate) mod kernel {
                 #[unroll]
                 for j in 0..hd {
                     let at = my_row * d + half * hd + (j + rot_d) % hd;
-                    o_s[at] = o_s[at] * corr;
+                    o_s[at] *= corr;
                 }
             }
             sync_plane();
@@ -494,7 +494,7 @@ fn cmma_config(
     head_dim: usize,
     vec: usize,
 ) -> Option<kernel::CmmaPrefillConfig> {
-    if !caps.cmma_16x16x16(dtype) || head_dim % 16 != 0 || force_fma_override() {
+    if !caps.cmma_16x16x16(dtype) || !head_dim.is_multiple_of(16) || force_fma_override() {
         return None;
     }
     let preferred = tile_override().unwrap_or((4, if head_dim <= 64 { 64 } else { 32 }));
@@ -508,9 +508,9 @@ fn cmma_config(
             planes,
         })
         .find(|c| {
-            c.block_k % 32 == 0
-                && (c.block_q() * head_dim / vec) % c.units() == 0
-                && (c.block_k * head_dim / vec) % c.units() == 0
+            c.block_k.is_multiple_of(32)
+                && (c.block_q() * head_dim / vec).is_multiple_of(c.units())
+                && (c.block_k * head_dim / vec).is_multiple_of(c.units())
                 && c.shared_bytes(dtype.size()) <= caps.shared_bytes
         })
 }
