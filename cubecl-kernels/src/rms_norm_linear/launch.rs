@@ -6,18 +6,22 @@
 //!   `linear_skinny`, which streams each weight row once per 8 rows (decode sizes);
 //! - larger `M` on devices with bf16/f16 tensor cores: `rms_stats` writes the normalised rows,
 //!   then cubek's autotuned tensor-core matmul (Burn's `float_matmul`) does the product (it beat
-//!   our own tiled cmma kernel 2–4× at every M ≥ 64 we measured, so that one was retired);
+//!   our own tiled cmma kernel 2–4× at every M ≥ 64 we measured, so that one was retired), split
+//!   along K into one batched matmul when the output alone gives too few cubes (`split_k`);
 //! - elsewhere (f32, CPU runtimes): `linear_tiled` with FMA register tiles.
 //!
-//! `BURN_NANOVLLM_SKINNY_MAX_M` overrides the skinny bound, for benchmarks.
+//! `BURN_NANOVLLM_SKINNY_MAX_M` overrides the skinny bound and `BURN_NANOVLLM_SPLIT_K=0` turns
+//! the K split off, for benchmarks.
 
 use std::sync::OnceLock;
 
 use burn::backend::cubecl::dtype_to_storage_type;
 use burn::backend::ops::FloatTensorOps;
 use burn::tensor::{DType, Shape};
+use burn_cubecl::kernel::matmul::{self, MatmulStrategy};
 use burn_cubecl::{CubeBackend, ops::numeric::empty_device_dtype, tensor::CubeTensor};
 use cubecl::prelude::{CubeCount, CubeDim};
+use cubecl::zspace::metadata::Metadata;
 
 use super::kernel::{SkinnyConfig, TiledConfig, linear_skinny, linear_tiled, rms_stats};
 use crate::device_caps::DeviceCaps;
@@ -114,7 +118,10 @@ pub(crate) fn fused_linear(
 
     if matmul {
         let lhs = normed.unwrap_or_else(|| h.clone());
-        let y = CubeBackend::float_matmul(lhs, CubeBackend::float_transpose(w));
+        let y = match split_k(m, n, k, &caps) {
+            Some(splits) => split_k_matmul(lhs, w, splits),
+            None => CubeBackend::float_matmul(lhs, CubeBackend::float_transpose(w)),
+        };
         let y = match bias {
             Some(b) => CubeBackend::float_add(y, CubeBackend::float_reshape(b, Shape::new([1, n]))),
             None => y,
@@ -199,6 +206,64 @@ pub(crate) fn fused_linear(
         }
     }
     (out, h)
+}
+
+/// Output tile of cubek's matmul assumed when counting cubes (its autotuned picks at decode
+/// sizes covered 16 × 128 to 64 × 128 of the output per cube on an H100).
+const MATMUL_TILE: [usize; 2] = [64, 128];
+
+/// Largest `M` split along K: measured on an H100 at M = 64 only (down_proj 72 → 45 µs).
+const SPLIT_K_MAX_M: usize = 64;
+
+/// Number of K slices for the tensor-core path when the output alone gives too few cubes to fill
+/// the device and K is long (`K ≥ 4N`: down_proj at decode sizes ran on 28 cubes of 132 SMs,
+/// docs/BENCHMARKS.md): the smallest power of two that reaches one cube per multiprocessor, at
+/// most 8, with each slice a multiple of 32 and at least 256 long. `None`: no split. Splitting
+/// the square or wide projections (o_proj, qkv, gate/up) measured slower, so they are not split.
+/// `BURN_NANOVLLM_SPLIT_K=0` switches it off, for benchmarks.
+fn split_k(m: usize, n: usize, k: usize, caps: &DeviceCaps) -> Option<usize> {
+    if split_k_off() || m > SPLIT_K_MAX_M || k < 4 * n {
+        return None;
+    }
+    let cubes = m.div_ceil(MATMUL_TILE[0]) * n.div_ceil(MATMUL_TILE[1]);
+    let mut splits = 1;
+    while splits < 8 && cubes * splits < caps.multiprocessors {
+        splits *= 2;
+    }
+    while splits > 1 && !(k.is_multiple_of(splits * 32) && k / splits >= 256) {
+        splits /= 2;
+    }
+    (splits > 1).then_some(splits)
+}
+
+/// `y [M, N] = x [M, K] · w [N, K]ᵀ` as one batched matmul over `splits` K slices (views of the
+/// same buffers: `x` as `[S, M, K/S]`, `wᵀ` as `[S, K/S, N]`) with f32 partial products, summed
+/// over the slices in f32 and cast back to `x`'s dtype.
+fn split_k_matmul(x: CubeTensor, w: CubeTensor, splits: usize) -> CubeTensor {
+    let [m, k] = dims2(&x);
+    let n = w.meta.shape()[0];
+    let ks = k / splits;
+    let dtype = x.dtype;
+    let (x_row, w_row) = (x.meta.strides()[0], w.meta.strides()[0]);
+    let mut lhs = x;
+    lhs.meta = Box::new(Metadata::new(Shape::new([splits, m, ks]), [ks, x_row, 1]));
+    let mut rhs = w;
+    rhs.meta = Box::new(Metadata::new(Shape::new([splits, ks, n]), [ks, 1, w_row]));
+    let partial = matmul::matmul(lhs, rhs, None, MatmulStrategy::default(), DType::F32)
+        .expect("split-K matmul: cubek refused the strided operands");
+    let total = CubeBackend::float_sum_dim(partial, 0);
+    let y = CubeBackend::float_reshape(total, Shape::new([m, n]));
+    if dtype == DType::F32 {
+        y
+    } else {
+        CubeBackend::float_cast(y, dtype.into())
+    }
+}
+
+/// `BURN_NANOVLLM_SPLIT_K=0` (read once).
+fn split_k_off() -> bool {
+    static VALUE: OnceLock<bool> = OnceLock::new();
+    *VALUE.get_or_init(|| std::env::var("BURN_NANOVLLM_SPLIT_K").is_ok_and(|v| v == "0"))
 }
 
 /// `BURN_NANOVLLM_SKINNY_MAX_M` (read once): a fixed skinny bound, for benchmarks.

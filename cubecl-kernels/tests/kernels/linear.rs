@@ -6,14 +6,16 @@ use cubecl_kernels::rms_norm_linear::reference;
 use super::common::*;
 
 /// Awkward shapes: M = 1, 3 (skinny kernel), 257 (tiled, ragged last tile); K not a multiple
-/// of any tile or vector; N = 1 and ragged.
-const SHAPES: [(usize, usize, usize); 6] = [
+/// of any tile or vector; N = 1 and ragged. On tensor-core GPUs, 64 × 1024 → 200 (bf16) takes
+/// the matmul path split along K.
+const SHAPES: [(usize, usize, usize); 7] = [
     (1, 96, 1),
     (1, 100, 67),
     (3, 37, 130),
     (3, 128, 5),
     (257, 72, 67),
     (40, 24, 33),
+    (64, 1024, 200),
 ];
 
 struct Case {
