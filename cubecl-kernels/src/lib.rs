@@ -43,6 +43,16 @@ pub(crate) fn unit_inner_stride(
     }
 }
 
+/// Widest vector (at most 16 bytes) whose length divides every extent and row pitch given.
+pub(crate) fn vector_size(dtype: burn::tensor::DType, extents: &[usize]) -> usize {
+    let max = (16 / dtype.size()).max(1);
+    let mut v = max;
+    while v > 1 && extents.iter().any(|&e| e % v != 0) {
+        v /= 2;
+    }
+    v
+}
+
 /// True if `t` lives on a CubeCL device, where the ops run our kernels.
 pub(crate) fn runs_kernels<const D: usize>(t: &Tensor<D>) -> bool {
     #[allow(unreachable_patterns)]

@@ -352,20 +352,16 @@ pub(crate) fn paged_decode(
     scale: f32,
 ) -> CubeTensor {
     let caps = DeviceCaps::of(&q.client);
-    let q = crate::unit_inner_stride(q);
-    let (b, heads, d) = {
-        let s = q.meta.shape();
-        (s[0], s[1], s[2])
-    };
-    let cache_shape = k_cache.meta.shape();
-    let (block_size, kv_heads) = (cache_shape[1], cache_shape[2]);
+    let super::AttentionLaunch {
+        q,
+        out,
+        rows: b,
+        heads,
+        head_dim: d,
+        block_size,
+        kv_heads,
+    } = super::AttentionLaunch::new(q, &k_cache);
     let dtype = q.dtype;
-    let out = empty_device_dtype(
-        q.client.clone(),
-        q.device.clone(),
-        Shape::new([b, heads, d]),
-        dtype,
-    );
     if b == 0 {
         return out;
     }
@@ -389,7 +385,7 @@ pub(crate) fn paged_decode(
         splits,
         use_plane: caps.plane_ops,
     };
-    let vec = crate::rms_norm_linear::launch::vector_size(dtype, &[d]);
+    let vec = crate::vector_size(dtype, &[d]);
     let rows = if splits > 1 { b * heads * splits } else { 1 };
     let part_acc = empty_device_dtype(
         q.client.clone(),

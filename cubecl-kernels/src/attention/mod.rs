@@ -11,8 +11,9 @@ pub mod reference;
 pub(crate) mod store_kv;
 
 use burn::backend::Dispatch;
+use burn::tensor::Shape;
 use burn::tensor::{DType, Tensor};
-use burn_cubecl::{kernel::into_contiguous, tensor::CubeTensor};
+use burn_cubecl::{kernel::into_contiguous, ops::numeric::empty_device_dtype, tensor::CubeTensor};
 use cubecl::prelude::AddressType;
 
 pub use kv_cache::LayerKvCache;
@@ -263,6 +264,42 @@ fn check_cache(
         )));
     }
     Ok(())
+}
+
+/// What the attention launchers read off their operands: `q [rows, heads, D]` (made
+/// unit-inner-stride), caches `[num_blocks, block_size, kv_heads, D]`, and the output
+/// `[rows, heads, D]`, allocated in `q`'s dtype.
+pub(crate) struct AttentionLaunch {
+    pub q: CubeTensor,
+    pub out: CubeTensor,
+    pub rows: usize,
+    pub heads: usize,
+    pub head_dim: usize,
+    pub block_size: usize,
+    pub kv_heads: usize,
+}
+
+impl AttentionLaunch {
+    pub(crate) fn new(q: CubeTensor, k_cache: &CubeTensor) -> Self {
+        let q = crate::unit_inner_stride(q);
+        let [rows, heads, head_dim] = [0, 1, 2].map(|i| q.meta.shape()[i]);
+        let cache = k_cache.meta.shape();
+        let out = empty_device_dtype(
+            q.client.clone(),
+            q.device.clone(),
+            Shape::new([rows, heads, head_dim]),
+            q.dtype,
+        );
+        Self {
+            q,
+            out,
+            rows,
+            heads,
+            head_dim,
+            block_size: cache[1],
+            kv_heads: cache[2],
+        }
+    }
 }
 
 /// A buffer the op may write in place: the cache itself when nothing else holds it, else a copy.

@@ -28,8 +28,8 @@
 use std::sync::{Arc, OnceLock};
 
 use burn::backend::cubecl::dtype_to_storage_type;
-use burn::tensor::{DType, Shape};
-use burn_cubecl::{ops::numeric::empty_device_dtype, tensor::CubeTensor};
+use burn::tensor::DType;
+use burn_cubecl::tensor::CubeTensor;
 use cubecl::prelude::{CubeCount, CubeDim};
 
 use crate::device_caps::DeviceCaps;
@@ -539,24 +539,17 @@ pub(crate) fn paged_prefill(
     scale: f32,
 ) -> CubeTensor {
     let caps = DeviceCaps::of(&q.client);
-    let q = crate::unit_inner_stride(q);
-    let (t, heads, d) = {
-        let s = q.meta.shape();
-        (s[0], s[1], s[2])
-    };
-    let cache_shape = k_cache.meta.shape();
-    let (block_size, kv_heads) = (cache_shape[1], cache_shape[2]);
+    let super::AttentionLaunch {
+        q,
+        out,
+        heads,
+        head_dim: d,
+        block_size,
+        kv_heads,
+        ..
+    } = super::AttentionLaunch::new(q, &k_cache);
     let dtype = q.dtype;
-    let out = empty_device_dtype(
-        q.client.clone(),
-        q.device.clone(),
-        Shape::new([t, heads, d]),
-        dtype,
-    );
-    let vec = crate::rms_norm_linear::launch::vector_size(
-        dtype,
-        &[d, q.meta.strides()[0], q.meta.strides()[1]],
-    );
+    let vec = crate::vector_size(dtype, &[d, q.meta.strides()[0], q.meta.strides()[1]]);
     let cmma = cmma_config(&caps, dtype, heads, kv_heads, d, vec);
     let block_q = match cmma {
         Some(cfg) => cfg.block_q(),

@@ -25,7 +25,7 @@ use cubecl::zspace::metadata::Metadata;
 
 use super::kernel::{SkinnyConfig, TiledConfig, linear_skinny, linear_tiled, rms_stats};
 use crate::device_caps::DeviceCaps;
-use crate::unit_inner_stride;
+use crate::{unit_inner_stride, vector_size};
 
 /// Rows per register tile of the skinny kernel: up to this `M` the weight is read once.
 const SKINNY_TILE_M: usize = 8;
@@ -279,14 +279,4 @@ fn skinny_max_m_override() -> Option<usize> {
 fn dims2(t: &CubeTensor) -> [usize; 2] {
     let s = t.meta.shape();
     [s[0], s[1]]
-}
-
-/// Widest vector (at most 16 bytes) whose length divides every extent and row pitch given.
-pub(crate) fn vector_size(dtype: DType, extents: &[usize]) -> usize {
-    let max = (16 / dtype.size()).max(1);
-    let mut v = max;
-    while v > 1 && extents.iter().any(|&e| e % v != 0) {
-        v /= 2;
-    }
-    v
 }
