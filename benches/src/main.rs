@@ -35,6 +35,9 @@ struct Cli {
     /// Skip Burn's own ops (the baselines) in the linear and step suites.
     #[arg(long)]
     ours_only: bool,
+    /// Head shapes of the decode and prefill suites (comma-separated), instead of both.
+    #[arg(long, value_delimiter = ',', default_values_t = ["qwen2-0.5b".to_string(), "qwen3-0.6b".to_string()])]
+    models: Vec<String>,
     /// Write all tables as JSON here.
     #[arg(long)]
     out: Option<PathBuf>,
@@ -106,7 +109,7 @@ fn main() -> Result<()> {
         } else {
             (&[1, 16, 64, 256], &[128, 1024, 4096, 16384])
         };
-        for model in ["qwen2-0.5b", "qwen3-0.6b"] {
+        for model in &cli.models {
             tables.push(attention::decode(model, &config(model)?, bs, ctx, &device, dtype).json());
         }
     }
@@ -116,7 +119,7 @@ fn main() -> Result<()> {
         } else {
             &[(1, 4096), (16, 1024), (256, 512)]
         };
-        for model in ["qwen2-0.5b", "qwen3-0.6b"] {
+        for model in &cli.models {
             tables.push(attention::prefill(model, &config(model)?, shapes, &device, dtype).json());
         }
     }

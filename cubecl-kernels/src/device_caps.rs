@@ -25,6 +25,8 @@ pub(crate) struct DeviceCaps {
     pub cache_bytes: Option<usize>,
     /// Shared memory one cube may use, bytes.
     pub shared_bytes: usize,
+    /// Most units one cube may have.
+    pub max_cube_units: usize,
 }
 
 impl DeviceCaps {
@@ -56,6 +58,7 @@ impl DeviceCaps {
             multiprocessors,
             cache_bytes: props.hardware.last_level_cache_size,
             shared_bytes: props.hardware.max_shared_memory_size,
+            max_cube_units: props.hardware.max_units_per_cube as usize,
         }
     }
 

@@ -209,6 +209,18 @@ fn decode_matches_reference() {
         },
         DType::F32,
     );
+    // A block size that is not a multiple of the row-split kernel's key tile (lookups per key).
+    check_attention(
+        &mut rng,
+        &[(1, 5), (1, 300)],
+        20,
+        Heads {
+            heads: 4,
+            kv_heads: 2,
+            d: 64,
+        },
+        DType::F32,
+    );
     check_attention(
         &mut rng,
         &[(1, 777)],

@@ -1,0 +1,210 @@
+//! Paged decode attention: one query token per sequence over its cached context, with the
+//! context split across cubes when the batch is small and the context long (flash-decoding).
+//!
+//! Memory layout: `q [B, heads, D]` row-major; caches `[num_blocks, block_size, kv_heads, D]`
+//! contiguous; `block_tables [B, max_blocks]` i32; `context_lens [B]` i32.
+//!
+//! Two kernels, one per shape of the query group (`G = heads / kv_heads` heads per kv head),
+//! both one cube per (kv head, sequence, split) reading each key and value once for the group:
+//! - [`row_split`] for narrow groups (`G < 4`: Qwen3, Qwen2-1.5B): a key row is split over plane
+//!   lanes holding query slices in registers, partial dots meet through shuffles, no cube-wide
+//!   synchronisation while keys stream;
+//! - [`wide_group`] for wide groups (Qwen2-0.5B's 7): the group's queries in shared memory, one
+//!   unit per key, cube reductions per chunk of keys.
+//!
+//! With one split a cube normalises and writes `out [B, heads, D]`; otherwise it writes its
+//! unnormalised accumulator, max and sum to a workspace and [`combine_splits`] merges them.
+
+mod row_split;
+mod wide_group;
+
+use burn::backend::cubecl::dtype_to_storage_type;
+use burn::tensor::{DType, Shape};
+use burn_cubecl::{ops::numeric::empty_device_dtype, tensor::CubeTensor};
+use cubecl::prelude::*;
+
+use crate::device_caps::DeviceCaps;
+
+/// Groups of at least this many query heads per kv head take the wide-group kernel.
+const WIDE_GROUP: usize = 4;
+
+/// Most context splits of one (sequence, kv head); the combine walks them serially.
+const MAX_SPLITS: usize = 64;
+
+/// Combines the splits: `out = Σ_s acc_s·e^(m_s − M) / Σ_s l_s·e^(m_s − M)`.
+///
+/// Grid: one cube per (head, sequence); units over `D`.
+#[cube(launch_unchecked)]
+pub fn combine_splits<F: Float>(
+    part_acc: &Tensor<f32>,
+    part_stats: &Tensor<f32>,
+    out: &mut Tensor<F>,
+    #[comptime] heads: usize,
+    #[comptime] head_dim: usize,
+    #[comptime] splits: usize,
+    #[define(F)] _dtype: ElemType,
+) {
+    let h = CUBE_POS_X as usize;
+    let seq = CUBE_POS_Y as usize;
+    let row0 = (seq * heads + h) * splits;
+    let mut big = f32::new(f32::NEG_INFINITY);
+    for s in 0..splits {
+        big = max(big, part_stats[(row0 + s) * 2]);
+    }
+    let mut j = UNIT_POS_X as usize;
+    while j < head_dim {
+        let mut num = 0.0f32;
+        let mut den = 0.0f32;
+        for s in 0..splits {
+            let m = part_stats[(row0 + s) * 2];
+            let w = select(m == f32::new(f32::NEG_INFINITY), 0.0, f32::exp(m - big));
+            num += part_acc[(row0 + s) * head_dim + j] * w;
+            den += part_stats[(row0 + s) * 2 + 1] * w;
+        }
+        let at = seq * out.stride(0) + h * out.stride(1) + j;
+        out[at] = F::cast_from(num / den);
+        j += CUBE_DIM_X as usize;
+    }
+}
+
+/// Host side of decode attention. `q [B, heads, D]`; returns `[B, heads, D]`.
+#[allow(clippy::too_many_arguments)]
+pub(crate) fn paged_decode(
+    q: CubeTensor,
+    k_cache: CubeTensor,
+    v_cache: CubeTensor,
+    block_tables: CubeTensor,
+    context_lens: CubeTensor,
+    max_context: usize,
+    scale: f32,
+) -> CubeTensor {
+    let caps = DeviceCaps::of(&q.client);
+    let super::AttentionLaunch {
+        q,
+        out,
+        rows: b,
+        heads,
+        head_dim: d,
+        block_size,
+        kv_heads,
+    } = super::AttentionLaunch::new(q, &k_cache);
+    let dtype = q.dtype;
+    if b == 0 {
+        return out;
+    }
+    let group = heads / kv_heads;
+    let kernel = if group >= WIDE_GROUP {
+        Kernel::WideGroup(wide_group::WideGroupConfig {
+            group,
+            head_dim: d,
+            kv_heads,
+            cube_dim: caps.cube_units,
+            splits: 1,
+            use_plane: caps.plane_ops,
+        })
+    } else {
+        Kernel::RowSplit(row_split::row_split_config(
+            &caps, dtype, group, d, kv_heads, block_size,
+        ))
+    };
+    let (units, step) = match &kernel {
+        Kernel::WideGroup(c) => (c.cube_dim, c.cube_dim),
+        Kernel::RowSplit(c) => (c.units(), c.tile * c.streams),
+    };
+    // Enough cubes to fill the device: split long contexts when batch × kv heads is small.
+    let cubes = b * kv_heads;
+    let resident = if caps.plane_ops {
+        (caps.max_cube_units / units).max(1)
+    } else {
+        2
+    };
+    let target = resident * caps.multiprocessors;
+    let chunks = max_context.div_ceil(step).max(1);
+    let splits = if cubes >= target {
+        1
+    } else {
+        target.div_ceil(cubes).min(chunks).clamp(1, MAX_SPLITS)
+    };
+    let split_len = chunks.div_ceil(splits) * step;
+    let splits = max_context.div_ceil(split_len).max(1);
+    let vec = crate::vector_size(dtype, &[d]);
+    let rows = if splits > 1 { b * heads * splits } else { 1 };
+    let workspace = |n: usize| {
+        empty_device_dtype(
+            q.client.clone(),
+            q.device.clone(),
+            Shape::new([n]),
+            DType::F32,
+        )
+    };
+    let (part_acc, part_stats) = (workspace(rows * d), workspace(rows * 2));
+    let count = CubeCount::Static(kv_heads as u32, b as u32, splits as u32);
+    let address = super::address_type(&[&k_cache, &q]);
+    // SAFETY: keys are read only below each sequence's context length, through block-table
+    // entries the metadata checked; output indices are below B × heads × D.
+    unsafe {
+        match kernel {
+            Kernel::WideGroup(cfg) => wide_group::paged_decode_wide_group::launch_unchecked(
+                &q.client,
+                count,
+                CubeDim::new_1d(units as u32),
+                address,
+                vec,
+                q.clone().into_tensor_arg(),
+                k_cache.into_tensor_arg(),
+                v_cache.into_tensor_arg(),
+                block_tables.into_tensor_arg(),
+                context_lens.into_tensor_arg(),
+                out.clone().into_tensor_arg(),
+                part_acc.clone().into_tensor_arg(),
+                part_stats.clone().into_tensor_arg(),
+                scale,
+                block_size,
+                split_len,
+                wide_group::WideGroupConfig { splits, ..cfg },
+                dtype_to_storage_type(dtype),
+            ),
+            Kernel::RowSplit(cfg) => row_split::paged_decode_row_split::launch_unchecked(
+                &q.client,
+                count,
+                CubeDim::new_1d(units as u32),
+                address,
+                vec,
+                q.clone().into_tensor_arg(),
+                k_cache.into_tensor_arg(),
+                v_cache.into_tensor_arg(),
+                block_tables.into_tensor_arg(),
+                context_lens.into_tensor_arg(),
+                out.clone().into_tensor_arg(),
+                part_acc.clone().into_tensor_arg(),
+                part_stats.clone().into_tensor_arg(),
+                scale,
+                block_size,
+                split_len,
+                row_split::RowSplitConfig { splits, ..cfg },
+                dtype_to_storage_type(dtype),
+            ),
+        }
+        if splits > 1 {
+            combine_splits::launch_unchecked(
+                &q.client,
+                CubeCount::Static(heads as u32, b as u32, 1),
+                CubeDim::new_1d(caps.cube_units.min(d) as u32),
+                part_acc.into_tensor_arg(),
+                part_stats.into_tensor_arg(),
+                out.clone().into_tensor_arg(),
+                heads,
+                d,
+                splits,
+                dtype_to_storage_type(dtype),
+            );
+        }
+    }
+    out
+}
+
+/// The kernel a launch takes, with its comptime configuration.
+enum Kernel {
+    WideGroup(wide_group::WideGroupConfig),
+    RowSplit(row_split::RowSplitConfig),
+}
