@@ -15,6 +15,8 @@ pub(crate) struct DeviceCaps {
     pub plane_size: usize,
     /// Tensor-core shapes and types.
     pub cmma: Vec<MmaConfig>,
+    /// Shapes and types of manual (register-level) MMA.
+    pub mma: Vec<MmaConfig>,
     /// Units per cube for kernels that synchronise their cube: 4 planes on GPUs; on runtimes
     /// without planes (cubecl-cpu runs each unit of a synchronising cube on its own OS thread
     /// with a spin barrier) a cube no wider than the host's cores.
@@ -54,6 +56,7 @@ impl DeviceCaps {
             plane_ops,
             plane_size,
             cmma: props.features.matmul.cmma.iter().copied().collect(),
+            mma: props.features.matmul.mma.iter().copied().collect(),
             cube_units,
             multiprocessors,
             cache_bytes: props.hardware.last_level_cache_size,
@@ -64,17 +67,27 @@ impl DeviceCaps {
 
     /// True if 16×16×16 cmma with `dtype` inputs and f32 accumulators is available.
     pub(crate) fn cmma_16x16x16(&self, dtype: DType) -> bool {
-        let kind = match dtype {
-            DType::BF16 => FloatKind::BF16,
-            DType::F16 => FloatKind::F16,
-            _ => return false,
-        };
-        self.plane_size == 32
-            && self.cmma.iter().any(|c| {
-                c.a_type == ElemType::Float(kind)
-                    && c.b_type == ElemType::Float(kind)
-                    && c.cd_type == ElemType::Float(FloatKind::F32)
-                    && (c.m, c.n, c.k) == (16, 16, 16)
-            })
+        self.plane_size == 32 && offers(&self.cmma, dtype, (16, 16, 16))
     }
+
+    /// True if manual 16×8×16 MMA (`mma.sync`) with `dtype` inputs and f32 accumulators is
+    /// available.
+    pub(crate) fn mma_16x8x16(&self, dtype: DType) -> bool {
+        self.plane_size == 32 && offers(&self.mma, dtype, (16, 8, 16))
+    }
+}
+
+/// True if `configs` hold shape `mnk` with `dtype` inputs (bf16 or f16) and f32 accumulators.
+fn offers(configs: &[MmaConfig], dtype: DType, mnk: (u32, u32, u32)) -> bool {
+    let kind = match dtype {
+        DType::BF16 => FloatKind::BF16,
+        DType::F16 => FloatKind::F16,
+        _ => return false,
+    };
+    configs.iter().any(|c| {
+        c.a_type == ElemType::Float(kind)
+            && c.b_type == ElemType::Float(kind)
+            && c.cd_type == ElemType::Float(FloatKind::F32)
+            && (c.m, c.n, c.k) == mnk
+    })
 }

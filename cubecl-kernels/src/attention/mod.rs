@@ -7,6 +7,7 @@ pub(crate) mod decode;
 mod kv_cache;
 mod metadata;
 pub(crate) mod prefill;
+mod prefill_mma;
 pub mod reference;
 pub(crate) mod store_kv;
 

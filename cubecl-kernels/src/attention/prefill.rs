@@ -32,6 +32,7 @@ use burn::tensor::DType;
 use burn_cubecl::tensor::CubeTensor;
 use cubecl::prelude::{CubeCount, CubeDim};
 
+use super::prefill_mma::{MmaPrefillConfig, paged_prefill_mma};
 use crate::device_caps::DeviceCaps;
 
 pub(crate) mod kernel {
@@ -525,6 +526,45 @@ fn tile_override() -> Option<(usize, usize)> {
     })
 }
 
+/// `BURN_NANOVLLM_PREFILL_CMMA` set (read once): the portable-cmma kernel even where manual MMA
+/// exists, for benchmarks.
+fn force_cmma_override() -> bool {
+    static VALUE: OnceLock<bool> = OnceLock::new();
+    *VALUE.get_or_init(|| std::env::var_os("BURN_NANOVLLM_PREFILL_CMMA").is_some())
+}
+
+/// The manual-MMA launch for this device and shape, if any: four planes (64 queries) and 64 keys
+/// per stage (34 KiB of shared memory at `D` = 128), or the `BURN_NANOVLLM_PREFILL_TILE` tile.
+fn mma_config(
+    caps: &DeviceCaps,
+    dtype: DType,
+    heads: usize,
+    kv_heads: usize,
+    head_dim: usize,
+    vec: usize,
+) -> Option<MmaPrefillConfig> {
+    if !caps.mma_16x8x16(dtype)
+        || !head_dim.is_multiple_of(16)
+        || force_fma_override()
+        || force_cmma_override()
+    {
+        return None;
+    }
+    let (planes, block_k) = tile_override().unwrap_or((4, 64));
+    let cfg = MmaPrefillConfig {
+        heads,
+        kv_heads,
+        head_dim,
+        block_k,
+        planes,
+    };
+    ((cfg.block_k * head_dim / vec).is_multiple_of(cfg.units())
+        && cfg.block_k.is_multiple_of(16)
+        && vec.is_multiple_of(2)
+        && cfg.shared_bytes(dtype.size()) <= caps.shared_bytes)
+        .then_some(cfg)
+}
+
 /// Host side of prefill attention. `q [T, heads, D]`; `query_lens` are the host copies of each
 /// sequence's new-token count (they define the tiles). Returns `[T, heads, D]`.
 #[allow(clippy::too_many_arguments)]
@@ -550,10 +590,13 @@ pub(crate) fn paged_prefill(
     } = super::AttentionLaunch::new(q, &k_cache);
     let dtype = q.dtype;
     let vec = crate::vector_size(dtype, &[d, q.meta.strides()[0], q.meta.strides()[1]]);
-    let cmma = cmma_config(&caps, dtype, heads, kv_heads, d, vec);
-    let block_q = match cmma {
-        Some(cfg) => cfg.block_q(),
-        None => caps.cube_units.min(32),
+    let kv_vec = crate::vector_size(dtype, &[d]);
+    let mma = mma_config(&caps, dtype, heads, kv_heads, d, kv_vec);
+    let cmma = cmma_config(&caps, dtype, heads, kv_heads, d, vec).filter(|_| mma.is_none());
+    let block_q = match (mma, cmma) {
+        (Some(cfg), _) => cfg.block_q(),
+        (None, Some(cfg)) => cfg.block_q(),
+        (None, None) => caps.cube_units.min(32),
     };
     let mut tiles = Vec::new();
     for (s, &len) in query_lens.iter().enumerate() {
@@ -566,6 +609,32 @@ pub(crate) fn paged_prefill(
         return out;
     }
     let tiles = super::upload_i32(&q, &tiles, [num_tiles, 2]);
+    if let Some(cfg) = mma {
+        // SAFETY: as below; `mma_config` checked the tile divisibility the unrolled staging loop
+        // relies on and the shared-memory budget.
+        unsafe {
+            paged_prefill_mma::launch_unchecked(
+                &q.client,
+                CubeCount::Static(num_tiles as u32, heads as u32, 1),
+                CubeDim::new_1d(cfg.units() as u32),
+                super::address_type(&[&k_cache, &q]),
+                kv_vec,
+                q.clone().into_tensor_arg(),
+                k_cache.into_tensor_arg(),
+                v_cache.into_tensor_arg(),
+                block_tables.into_tensor_arg(),
+                context_lens.into_tensor_arg(),
+                cu_seqlens_q.into_tensor_arg(),
+                tiles.into_tensor_arg(),
+                out.clone().into_tensor_arg(),
+                scale,
+                block_size,
+                cfg,
+                dtype_to_storage_type(dtype),
+            );
+        }
+        return out;
+    }
     if let Some(cfg) = cmma {
         // SAFETY: as below; `cmma_config` checked the tile divisibility the unrolled staging
         // loops rely on and the shared-memory budget.

@@ -113,10 +113,12 @@ pub(crate) fn paged_decode(
     };
     // Enough cubes to fill the device: split long contexts when batch × kv heads is small.
     let cubes = b * kv_heads;
-    let resident = if caps.plane_ops {
-        (caps.max_cube_units / units).max(1)
-    } else {
-        2
+    // Cubes per multiprocessor to aim for: the row-split kernel's small register-light cubes
+    // stack (half the unit limit's worth); the wide-group kernel measured best at two (more
+    // splits at batch 256 cost it 13 % on the H100).
+    let resident = match &kernel {
+        Kernel::RowSplit(_) if caps.plane_ops => (caps.max_cube_units / units).max(1),
+        _ => 2,
     };
     let target = resident * caps.multiprocessors;
     let chunks = max_context.div_ceil(step).max(1);
