@@ -560,7 +560,7 @@ fn mma_config(
     };
     ((cfg.block_k * head_dim / vec).is_multiple_of(cfg.units())
         && cfg.block_k.is_multiple_of(16)
-        && vec.is_multiple_of(2)
+        && vec * dtype.size() == 16
         && cfg.shared_bytes(dtype.size()) <= caps.shared_bytes)
         .then_some(cfg)
 }

@@ -8,15 +8,15 @@
 //! and `g + 8` at columns `2t, 2t + 1`.
 //! - Q: loaded once from global memory into A fragments (`D / 16` of them, 4 bf16 pairs each).
 //! - Per stage of `block_k` keys, all units stage K and V (16-byte global loads, all issued before
-//!   the first store) into shared memory, rows padded by 8 elements so that the fragment reads of
-//!   8 rows × 4 lanes fall in distinct banks: K as bf16 pairs `[block_k][(D + 8) / 2]`, V as
-//!   elements `[block_k][D + 8]`.
-//! - `S = Q·Kᵀ`: `block_k / 8` accumulator tiles per plane (B fragments = two pairs of a key row).
+//!   the first store) into shared memory as `[block_k][D + 8]`: 16-byte rows padded by one vector
+//!   so that the 8 rows an `ldmatrix` phase reads fall in distinct banks.
+//! - `S = Q·Kᵀ`: `block_k / 8` accumulator tiles per plane; B fragments of K by `ldmatrix.x4`
+//!   (two k-steps per instruction).
 //! - Online softmax on the accumulators: row maxima and sums meet over the 4 lanes of a row
 //!   through two xor shuffles; the output accumulators are rescaled in registers.
 //! - `O += P·V`: the probabilities are re-packed from the S accumulators into A fragments
 //!   directly (the accumulator layout of two 16×8 tiles is the A layout of one 16×16 tile);
-//!   B fragments of V are gathered element-wise (keys `2t, 2t + 1, 2t + 8, 2t + 9` of column `g`).
+//!   B fragments of V by `ldmatrix.x4.trans` (two 8-column tiles per instruction).
 //!
 //! CUDA only (the fragment layout above is NVIDIA's): the launcher takes it where the device
 //! offers manual 16×8×16 MMA for the dtype and planes of 32.
@@ -86,8 +86,7 @@ pub fn paged_prefill_mma<F: Float, NV: Size>(
     let ksteps = comptime!(cfg.head_dim / 16); // k-steps of Q·Kᵀ
     let ntiles = comptime!(cfg.block_k / 8); // 8-key tiles of S
     let dtiles = comptime!(cfg.head_dim / 8); // 8-column tiles of O
-    let kp = comptime!((cfg.head_dim + 8) / 2); // K row stride in pairs
-    let vs = comptime!(cfg.head_dim + 8); // V row stride in elements
+    let rs = comptime!(cfg.head_dim / 8 + 1); // stage row stride in vectors
     let kvh = h / comptime!(cfg.heads / cfg.kv_heads);
     let seq = tiles[tile * 2] as usize;
     let q0 = tiles[tile * 2 + 1] as usize;
@@ -99,9 +98,10 @@ pub fn paged_prefill_mma<F: Float, NV: Size>(
     let last_key = prefix + q0 + rows;
     let table_row = seq * block_tables.stride(0);
 
-    let mut k_s =
-        Shared::<[Vector<F, NP>]>::new_slice(comptime!(cfg.block_k * (cfg.head_dim + 8) / 2));
-    let mut v_s = Shared::<[F]>::new_slice(comptime!(cfg.block_k * (cfg.head_dim + 8)));
+    // K and V stages, `[block_k][D / 8 + 1]` 16-byte vectors: one vector of padding per row.
+    let stage_len = comptime!(cfg.block_k * (cfg.head_dim / 8 + 1));
+    let mut k_s = Shared::<[Vector<F, NV>]>::new_aligned_slice(stage_len, 16usize);
+    let mut v_s = Shared::<[Vector<F, NV>]>::new_aligned_slice(stage_len, 16usize);
 
     // This lane's rows of the tile, and their positions in the sequence.
     let row_a = plane * 16 + g;
@@ -146,6 +146,8 @@ pub fn paged_prefill_mma<F: Float, NV: Size>(
     let mut l_a = 0.0f32;
     let mut l_b = 0.0f32;
     let neg_inf = f32::new(f32::NEG_INFINITY);
+    let lrow = lane % 8; // ldmatrix: the row this unit addresses
+    let lmat = lane / 8; // and of which matrix
 
     let mut k0 = 0usize;
     while k0 < last_key {
@@ -165,37 +167,59 @@ pub fn paged_prefill_mma<F: Float, NV: Size>(
                 kv = k_cache[at];
                 vv = v_cache[at];
             }
-            #[unroll]
-            for p in 0..comptime!(nv / 2) {
-                let mut pair = Vector::<F, NP>::new(F::new(0.0));
-                pair.insert(0usize, kv.extract(2 * p));
-                pair.insert(1usize, kv.extract(2 * p + 1));
-                k_s[kk * kp + c * comptime!(nv / 2) + p] = pair;
-            }
-            #[unroll]
-            for e in 0..nv {
-                v_s[kk * vs + c * nv + e] = vv.extract(e);
-            }
+            k_s[kk * rs + c] = kv;
+            v_s[kk * rs + c] = vv;
         }
         sync_cube();
 
-        // S = Q·Kᵀ, 8 keys per accumulator tile.
+        // S = Q·Kᵀ, 8 keys per accumulator tile. One `ldmatrix.x4` gives the B fragments of two
+        // k-steps: unit `l` addresses key row `l % 8` of the tile at column vector `2·s + l / 8`.
         #[unroll]
         for j in 0..ntiles {
             let mut c = Array::<Vector<f32, NP>>::new(2usize);
             c[0] = Vector::new(0.0);
             c[1] = Vector::new(0.0);
-            let krow = (j * 8 + g) * kp;
             #[unroll]
-            for s in 0..ksteps {
+            for s2 in 0..comptime!(cfg.head_dim / 32) {
+                let at = (j * 8 + lrow) * rs + 4 * s2 + lmat;
+                let frags = def.load_matrix::<Vector<F, NV>, NP>(
+                    &k_s[at..stage_len],
+                    MatrixIdent::B,
+                    4usize,
+                    false,
+                );
+                #[unroll]
+                for h2 in 0..2usize {
+                    let s = 2 * s2 + h2;
+                    let mut a = Array::<Vector<F, NP>>::new(4usize);
+                    #[unroll]
+                    for e in 0..4usize {
+                        a[e] = qa[s * 4 + e];
+                    }
+                    let mut b = Array::<Vector<F, NP>>::new(2usize);
+                    b[0] = frags[2 * h2];
+                    b[1] = frags[2 * h2 + 1];
+                    def.execute_inplace(&a, &b, &mut c);
+                }
+            }
+            if comptime!(cfg.head_dim % 32 != 0) {
+                // The last k-step alone (D = 16 × odd): two matrices.
+                let s = comptime!(cfg.head_dim / 16 - 1);
+                let at = (j * 8 + lrow) * rs + 2 * s + lmat % 2;
+                let frags = def.load_matrix::<Vector<F, NV>, NP>(
+                    &k_s[at..stage_len],
+                    MatrixIdent::B,
+                    2usize,
+                    false,
+                );
                 let mut a = Array::<Vector<F, NP>>::new(4usize);
                 #[unroll]
                 for e in 0..4usize {
                     a[e] = qa[s * 4 + e];
                 }
                 let mut b = Array::<Vector<F, NP>>::new(2usize);
-                b[0] = k_s[krow + s * 8 + t];
-                b[1] = k_s[krow + s * 8 + 4 + t];
+                b[0] = frags[0];
+                b[1] = frags[1];
                 def.execute_inplace(&a, &b, &mut c);
             }
             s_acc[2 * j] = c[0];
@@ -268,25 +292,31 @@ pub fn paged_prefill_mma<F: Float, NV: Size>(
             a[1] = Vector::<F, NP>::cast_from(s_acc[4 * s + 1]);
             a[2] = Vector::<F, NP>::cast_from(s_acc[4 * s + 2]);
             a[3] = Vector::<F, NP>::cast_from(s_acc[4 * s + 3]);
-            let key0 = s * 16 + 2 * t;
+            // One `ldmatrix.x4.trans` gives the B fragments of two 8-column tiles: unit `l`
+            // addresses key row `16·s + 8·(l / 8 % 2) + l % 8` at column vector `2·j2 + l / 16`.
+            let key = s * 16 + (lmat % 2) * 8 + lrow;
             #[unroll]
-            for j in 0..dtiles {
-                let col = j * 8 + g;
-                let mut b = Array::<Vector<F, NP>>::new(2usize);
-                let mut b0 = Vector::<F, NP>::new(F::new(0.0));
-                let mut b1 = Vector::<F, NP>::new(F::new(0.0));
-                b0.insert(0usize, v_s[key0 * vs + col]);
-                b0.insert(1usize, v_s[(key0 + 1) * vs + col]);
-                b1.insert(0usize, v_s[(key0 + 8) * vs + col]);
-                b1.insert(1usize, v_s[(key0 + 9) * vs + col]);
-                b[0] = b0;
-                b[1] = b1;
-                let mut c = Array::<Vector<f32, NP>>::new(2usize);
-                c[0] = o[2 * j];
-                c[1] = o[2 * j + 1];
-                def.execute_inplace(&a, &b, &mut c);
-                o[2 * j] = c[0];
-                o[2 * j + 1] = c[1];
+            for j2 in 0..comptime!(cfg.head_dim / 16) {
+                let at = key * rs + 2 * j2 + lmat / 2;
+                let frags = def.load_matrix::<Vector<F, NV>, NP>(
+                    &v_s[at..stage_len],
+                    MatrixIdent::B,
+                    4usize,
+                    true,
+                );
+                #[unroll]
+                for h2 in 0..2usize {
+                    let j = 2 * j2 + h2;
+                    let mut b = Array::<Vector<F, NP>>::new(2usize);
+                    b[0] = frags[2 * h2];
+                    b[1] = frags[2 * h2 + 1];
+                    let mut c = Array::<Vector<f32, NP>>::new(2usize);
+                    c[0] = o[2 * j];
+                    c[1] = o[2 * j + 1];
+                    def.execute_inplace(&a, &b, &mut c);
+                    o[2 * j] = c[0];
+                    o[2 * j + 1] = c[1];
+                }
             }
         }
         k0 += bk;
