@@ -15,7 +15,10 @@
 //! values (f32) in shared memory; keys past a query's position are masked. This FMA kernel is
 //! the path of CPU runtimes and of devices without tensor cores.
 //!
-//! Tensor-core variant (`paged_prefill_cmma`; bf16/f16, 32-lane planes, `D % 16 == 0`): one cube
+//! On CUDA devices with manual MMA (`mma.sync`) and bf16/f16, the flash-attention-2 kernel of
+//! [`super::prefill_mma`] runs instead (S, P and O in registers, GQA heads sharing K/V stages).
+//!
+//! Portable tensor-core variant (`paged_prefill_cmma`; bf16/f16, 32-lane planes, `D % 16 == 0`): one cube
 //! of `P` planes per (`16·P`-query tile, query head), each plane owning 16 query rows. Per stage
 //! of `block_k` keys, staged in shared memory (in `F`, 16-byte global loads all issued before the
 //! first use), each plane computes its rows of `S = Q·Kᵀ` with 16×16×16 cmma (f32 into shared
@@ -533,8 +536,11 @@ fn force_cmma_override() -> bool {
     *VALUE.get_or_init(|| std::env::var_os("BURN_NANOVLLM_PREFILL_CMMA").is_some())
 }
 
-/// The manual-MMA launch for this device and shape, if any: four planes (64 queries) and 64 keys
-/// per stage (34 KiB of shared memory at `D` = 128), or the `BURN_NANOVLLM_PREFILL_TILE` tile.
+/// The manual-MMA launch for this device and shape, if any: four 16-row query blocks per head
+/// and 32 keys per stage; narrow GQA groups (`G ≤ 2`) put the whole group in one cube, sharing
+/// its K/V stages (8 planes for Qwen3), wider ones one head per cube (sharing across Qwen2-0.5B's
+/// 7 heads measured 10–40 % slower on the H100: docs/results/h100-prefill-mma-layouts.txt).
+/// `BURN_NANOVLLM_PREFILL_MMA=heads_per_cube,row_blocks,block_k` picks another, for benchmarks.
 fn mma_config(
     caps: &DeviceCaps,
     dtype: DType,
@@ -550,19 +556,34 @@ fn mma_config(
     {
         return None;
     }
-    let (planes, block_k) = tile_override().unwrap_or((4, 64));
+    let group = heads / kv_heads;
+    let default = (if group <= 2 { group } else { 1 }, 4, 32);
+    let (heads_per_cube, row_blocks, block_k) = mma_override()
+        .filter(|(h, r, _)| *h > 0 && *r > 0 && group.is_multiple_of(*h))
+        .unwrap_or(default);
     let cfg = MmaPrefillConfig {
         heads,
         kv_heads,
         head_dim,
         block_k,
-        planes,
+        heads_per_cube,
+        row_blocks,
     };
-    ((cfg.block_k * head_dim / vec).is_multiple_of(cfg.units())
-        && cfg.block_k.is_multiple_of(16)
+    (cfg.block_k.is_multiple_of(16)
         && vec * dtype.size() == 16
+        && cfg.units() <= caps.max_cube_units
         && cfg.shared_bytes(dtype.size()) <= caps.shared_bytes)
         .then_some(cfg)
+}
+
+/// `BURN_NANOVLLM_PREFILL_MMA=heads_per_cube,row_blocks,block_k` (read once).
+fn mma_override() -> Option<(usize, usize, usize)> {
+    static VALUE: OnceLock<Option<(usize, usize, usize)>> = OnceLock::new();
+    *VALUE.get_or_init(|| {
+        let v = std::env::var("BURN_NANOVLLM_PREFILL_MMA").ok()?;
+        let mut it = v.split(',').map(|x| x.trim().parse::<usize>().ok());
+        Some((it.next()??, it.next()??, it.next()??))
+    })
 }
 
 /// Host side of prefill attention. `q [T, heads, D]`; `query_lens` are the host copies of each
@@ -615,7 +636,11 @@ pub(crate) fn paged_prefill(
         unsafe {
             paged_prefill_mma::launch_unchecked(
                 &q.client,
-                CubeCount::Static(num_tiles as u32, heads as u32, 1),
+                CubeCount::Static(
+                    num_tiles as u32,
+                    (kv_heads * cfg.cubes_per_kv_head()) as u32,
+                    1,
+                ),
                 CubeDim::new_1d(cfg.units() as u32),
                 super::address_type(&[&k_cache, &q]),
                 kv_vec,

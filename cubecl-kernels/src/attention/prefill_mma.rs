@@ -2,14 +2,16 @@
 //! f16 inputs, f32 accumulators): the flash-attention-2 schedule, where scores, probabilities and
 //! output accumulators never leave registers.
 //!
-//! Launch geometry: one cube of `P` planes (32 lanes each) per (`16·P`-query tile, query head);
-//! plane `p` owns query rows `16p .. 16p + 16` of the tile. Lane `l` has `g = l / 4` and
-//! `t = l % 4`; per the PTX fragment layouts it holds, of every 16×8 accumulator tile, rows `g`
-//! and `g + 8` at columns `2t, 2t + 1`.
+//! Launch geometry: one cube per (`16·R`-query tile, kv head, group of `H` of its query heads),
+//! with `H × R` planes of 32 lanes; plane `p` owns query rows `16·(p % R) .. + 16` of head
+//! `p / R`, so the `H` heads share every K/V stage (`H` = the whole GQA group up to 8). Lane `l`
+//! has `g = l / 4` and `t = l % 4`; per the PTX fragment layouts it holds, of every 16×8
+//! accumulator tile, rows `g` and `g + 8` at columns `2t, 2t + 1`.
 //! - Q: loaded once from global memory into A fragments (`D / 16` of them, 4 bf16 pairs each).
-//! - Per stage of `block_k` keys, all units stage K and V (16-byte global loads, all issued before
-//!   the first store) into shared memory as `[block_k][D + 8]`: 16-byte rows padded by one vector
-//!   so that the 8 rows an `ldmatrix` phase reads fall in distinct banks.
+//! - K/V stages of `block_k` keys, double-buffered in shared memory as `[block_k][D + 8]`
+//!   (16-byte rows padded by one vector so that the 8 rows an `ldmatrix` phase reads fall in
+//!   distinct banks): while a stage is computed on, every unit's 16-byte global loads of the next
+//!   one are in flight in registers; they are stored after the compute, one barrier per stage.
 //! - `S = Q·Kᵀ`: `block_k / 8` accumulator tiles per plane; B fragments of K by `ldmatrix.x4`
 //!   (two k-steps per instruction).
 //! - Online softmax on the accumulators: row maxima and sums meet over the 4 lanes of a row
@@ -32,24 +34,96 @@ pub struct MmaPrefillConfig {
     pub head_dim: usize,
     /// Keys per stage, a multiple of 16.
     pub block_k: usize,
-    /// Planes per cube, each owning 16 query rows.
-    pub planes: usize,
+    /// Query heads of one kv head that a cube serves (they share its K/V stages).
+    pub heads_per_cube: usize,
+    /// 16-row blocks of queries per head; planes = `heads_per_cube × row_blocks`.
+    pub row_blocks: usize,
 }
 
 impl MmaPrefillConfig {
-    /// Queries per cube.
+    /// Queries per cube and head.
     pub fn block_q(&self) -> usize {
-        16 * self.planes
+        16 * self.row_blocks
+    }
+
+    /// Planes per cube.
+    pub fn planes(&self) -> usize {
+        self.heads_per_cube * self.row_blocks
     }
 
     /// Units per cube.
     pub fn units(&self) -> usize {
-        32 * self.planes
+        32 * self.planes()
     }
 
-    /// Shared memory of one cube in bytes, for elements of `elem_bytes`.
+    /// Cubes per (query tile, kv head).
+    pub fn cubes_per_kv_head(&self) -> usize {
+        self.heads / self.kv_heads / self.heads_per_cube
+    }
+
+    /// Shared memory of one cube in bytes (two K and two V stages), for elements of
+    /// `elem_bytes`.
     pub fn shared_bytes(&self, elem_bytes: usize) -> usize {
-        2 * elem_bytes * self.block_k * (self.head_dim + 8)
+        4 * elem_bytes * self.block_k * (self.head_dim + 8)
+    }
+}
+
+/// Loads this unit's share of the K and V rows of keys `k0 .. k0 + block_k` into registers
+/// (16-byte vectors; zeros past `last_key`).
+#[cube]
+#[allow(clippy::too_many_arguments)]
+fn fetch_stage<F: Float, NV: Size>(
+    k_cache: &Tensor<Vector<F, NV>>,
+    v_cache: &Tensor<Vector<F, NV>>,
+    block_tables: &Tensor<i32>,
+    table_row: usize,
+    block_size: usize,
+    kvh: usize,
+    k0: usize,
+    last_key: usize,
+    kr: &mut Array<Vector<F, NV>>,
+    vr: &mut Array<Vector<F, NV>>,
+    #[comptime] cfg: MmaPrefillConfig,
+) {
+    let dv = comptime!(cfg.head_dim / 8);
+    let total = comptime!(cfg.block_k * cfg.head_dim / 8);
+    #[unroll]
+    for i in 0..comptime!(total.div_ceil(cfg.units())) {
+        let idx = i * comptime!(cfg.units()) + UNIT_POS_X as usize;
+        let key = k0 + idx / dv;
+        let mut kv = Vector::<F, NV>::new(F::new(0.0));
+        let mut vv = Vector::<F, NV>::new(F::new(0.0));
+        if key < last_key && idx < total {
+            let block = block_tables[table_row + key / block_size] as usize;
+            let at = ((block * block_size + key % block_size) * cfg.kv_heads + kvh) * dv + idx % dv;
+            kv = k_cache[at];
+            vv = v_cache[at];
+        }
+        kr[i] = kv;
+        vr[i] = vv;
+    }
+}
+
+/// Stores what [`fetch_stage`] loaded into the stage at `offset` (rows of `D / 8 + 1` vectors).
+#[cube]
+fn put_stage<F: Float, NV: Size>(
+    k_s: &mut Shared<[Vector<F, NV>]>,
+    v_s: &mut Shared<[Vector<F, NV>]>,
+    offset: usize,
+    kr: &Array<Vector<F, NV>>,
+    vr: &Array<Vector<F, NV>>,
+    #[comptime] cfg: MmaPrefillConfig,
+) {
+    let dv = comptime!(cfg.head_dim / 8);
+    let total = comptime!(cfg.block_k * cfg.head_dim / 8);
+    #[unroll]
+    for i in 0..comptime!(total.div_ceil(cfg.units())) {
+        let idx = i * comptime!(cfg.units()) + UNIT_POS_X as usize;
+        if idx < total {
+            let at = offset + (idx / dv) * (dv + 1) + idx % dv;
+            k_s[at] = kr[i];
+            v_s[at] = vr[i];
+        }
     }
 }
 
@@ -73,21 +147,20 @@ pub fn paged_prefill_mma<F: Float, NV: Size>(
     let def = MmaDefinition::<F, F, f32>::new(16usize, 8usize, 16usize);
     let size!(NP) = def.vector_size(MatrixIdent::A);
     let tile = CUBE_POS_X as usize;
-    let h = CUBE_POS_Y as usize;
-    let tid = UNIT_POS_X as usize;
     let plane = PLANE_POS as usize;
+    let hgroups = comptime!(cfg.cubes_per_kv_head());
+    let kvh = CUBE_POS_Y as usize / hgroups;
+    let h = kvh * comptime!(cfg.heads / cfg.kv_heads)
+        + (CUBE_POS_Y as usize % hgroups) * cfg.heads_per_cube
+        + plane / cfg.row_blocks;
     let lane = UNIT_POS_PLANE as usize;
     let g = lane / 4;
     let t = lane % 4;
     let bk = cfg.block_k;
-    let units = comptime!(cfg.units());
-    let nv = k_cache.vector_size();
-    let dv = comptime!(cfg.head_dim / nv);
     let ksteps = comptime!(cfg.head_dim / 16); // k-steps of Q·Kᵀ
     let ntiles = comptime!(cfg.block_k / 8); // 8-key tiles of S
     let dtiles = comptime!(cfg.head_dim / 8); // 8-column tiles of O
     let rs = comptime!(cfg.head_dim / 8 + 1); // stage row stride in vectors
-    let kvh = h / comptime!(cfg.heads / cfg.kv_heads);
     let seq = tiles[tile * 2] as usize;
     let q0 = tiles[tile * 2 + 1] as usize;
     let q_start = cu_seqlens_q[seq] as usize;
@@ -98,13 +171,17 @@ pub fn paged_prefill_mma<F: Float, NV: Size>(
     let last_key = prefix + q0 + rows;
     let table_row = seq * block_tables.stride(0);
 
-    // K and V stages, `[block_k][D / 8 + 1]` 16-byte vectors: one vector of padding per row.
+    // Two K and two V stages, each `[block_k][D / 8 + 1]` 16-byte vectors (one vector of padding
+    // per row): stage `i + 1` is fetched while stage `i` is computed on.
     let stage_len = comptime!(cfg.block_k * (cfg.head_dim / 8 + 1));
-    let mut k_s = Shared::<[Vector<F, NV>]>::new_aligned_slice(stage_len, 16usize);
-    let mut v_s = Shared::<[Vector<F, NV>]>::new_aligned_slice(stage_len, 16usize);
+    let mut k_s = Shared::<[Vector<F, NV>]>::new_aligned_slice(comptime!(2 * stage_len), 16usize);
+    let mut v_s = Shared::<[Vector<F, NV>]>::new_aligned_slice(comptime!(2 * stage_len), 16usize);
+    let per_unit = comptime!((cfg.block_k * cfg.head_dim / 8).div_ceil(cfg.units()));
+    let mut kr = Array::<Vector<F, NV>>::new(per_unit);
+    let mut vr = Array::<Vector<F, NV>>::new(per_unit);
 
     // This lane's rows of the tile, and their positions in the sequence.
-    let row_a = plane * 16 + g;
+    let row_a = (plane % cfg.row_blocks) * 16 + g;
     let row_b = row_a + 8;
     let pos_a = prefix + q0 + row_a;
     let pos_b = prefix + q0 + row_b;
@@ -149,28 +226,42 @@ pub fn paged_prefill_mma<F: Float, NV: Size>(
     let lrow = lane % 8; // ldmatrix: the row this unit addresses
     let lmat = lane / 8; // and of which matrix
 
+    fetch_stage(
+        k_cache,
+        v_cache,
+        block_tables,
+        table_row,
+        block_size,
+        kvh,
+        0,
+        last_key,
+        &mut kr,
+        &mut vr,
+        cfg,
+    );
+    put_stage(&mut k_s, &mut v_s, 0, &kr, &vr, cfg);
+    sync_cube();
     let mut k0 = 0usize;
+    let mut buf = 0usize;
     while k0 < last_key {
-        sync_cube();
-        // Stage keys and values (zeros past the tile's last key).
-        #[unroll]
-        for i in 0..comptime!(cfg.block_k * cfg.head_dim / nv / cfg.units()) {
-            let idx = i * units + tid;
-            let kk = idx / dv;
-            let c = idx % dv;
-            let key = k0 + kk;
-            let mut kv = Vector::<F, NV>::new(F::new(0.0));
-            let mut vv = Vector::<F, NV>::new(F::new(0.0));
-            if key < last_key {
-                let block = block_tables[table_row + key / block_size] as usize;
-                let at = ((block * block_size + key % block_size) * cfg.kv_heads + kvh) * dv + c;
-                kv = k_cache[at];
-                vv = v_cache[at];
-            }
-            k_s[kk * rs + c] = kv;
-            v_s[kk * rs + c] = vv;
+        let next = k0 + bk;
+        let has_next = next < last_key;
+        if has_next {
+            fetch_stage(
+                k_cache,
+                v_cache,
+                block_tables,
+                table_row,
+                block_size,
+                kvh,
+                next,
+                last_key,
+                &mut kr,
+                &mut vr,
+                cfg,
+            );
         }
-        sync_cube();
+        let off = buf * stage_len;
 
         // S = Q·Kᵀ, 8 keys per accumulator tile. One `ldmatrix.x4` gives the B fragments of two
         // k-steps: unit `l` addresses key row `l % 8` of the tile at column vector `2·s + l / 8`.
@@ -181,9 +272,9 @@ pub fn paged_prefill_mma<F: Float, NV: Size>(
             c[1] = Vector::new(0.0);
             #[unroll]
             for s2 in 0..comptime!(cfg.head_dim / 32) {
-                let at = (j * 8 + lrow) * rs + 4 * s2 + lmat;
+                let at = off + (j * 8 + lrow) * rs + 4 * s2 + lmat;
                 let frags = def.load_matrix::<Vector<F, NV>, NP>(
-                    &k_s[at..stage_len],
+                    &k_s[at..comptime!(2 * stage_len)],
                     MatrixIdent::B,
                     4usize,
                     false,
@@ -205,9 +296,9 @@ pub fn paged_prefill_mma<F: Float, NV: Size>(
             if comptime!(cfg.head_dim % 32 != 0) {
                 // The last k-step alone (D = 16 × odd): two matrices.
                 let s = comptime!(cfg.head_dim / 16 - 1);
-                let at = (j * 8 + lrow) * rs + 2 * s + lmat % 2;
+                let at = off + (j * 8 + lrow) * rs + 2 * s + lmat % 2;
                 let frags = def.load_matrix::<Vector<F, NV>, NP>(
-                    &k_s[at..stage_len],
+                    &k_s[at..comptime!(2 * stage_len)],
                     MatrixIdent::B,
                     2usize,
                     false,
@@ -297,9 +388,9 @@ pub fn paged_prefill_mma<F: Float, NV: Size>(
             let key = s * 16 + (lmat % 2) * 8 + lrow;
             #[unroll]
             for j2 in 0..comptime!(cfg.head_dim / 16) {
-                let at = key * rs + 2 * j2 + lmat / 2;
+                let at = off + key * rs + 2 * j2 + lmat / 2;
                 let frags = def.load_matrix::<Vector<F, NV>, NP>(
-                    &v_s[at..stage_len],
+                    &v_s[at..comptime!(2 * stage_len)],
                     MatrixIdent::B,
                     4usize,
                     true,
@@ -319,7 +410,12 @@ pub fn paged_prefill_mma<F: Float, NV: Size>(
                 }
             }
         }
-        k0 += bk;
+        if has_next {
+            put_stage(&mut k_s, &mut v_s, (1 - buf) * stage_len, &kr, &vr, cfg);
+        }
+        sync_cube();
+        buf = 1 - buf;
+        k0 = next;
     }
 
     // Row sums over the 4 lanes of each row, then normalise and write.

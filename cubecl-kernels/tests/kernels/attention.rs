@@ -145,6 +145,18 @@ fn prefill_matches_reference() {
         },
         DType::BF16,
     );
+    // Qwen2-0.5B's group of 7 in bf16 (on CUDA: one cube of 7 planes shares each K/V stage).
+    check_attention(
+        &mut rng,
+        &[(1, 1), (17, 40), (255, 255)],
+        16,
+        Heads {
+            heads: 14,
+            kv_heads: 2,
+            d: 64,
+        },
+        DType::BF16,
+    );
     check_attention(
         &mut rng,
         &[(3, 3), (17, 17), (1, 18)],
