@@ -293,7 +293,7 @@ pub fn paged_prefill_mma<F: Float, NV: Size>(
                     def.execute_inplace(&a, &b, &mut c);
                 }
             }
-            if comptime!(cfg.head_dim % 32 != 0) {
+            if comptime!(!cfg.head_dim.is_multiple_of(32)) {
                 // The last k-step alone (D = 16 × odd): two matrices.
                 let s = comptime!(cfg.head_dim / 16 - 1);
                 let at = off + (j * 8 + lrow) * rs + 2 * s + lmat % 2;
