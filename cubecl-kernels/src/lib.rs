@@ -16,6 +16,7 @@ pub mod attention;
 mod device;
 mod device_caps;
 mod error;
+mod knobs;
 pub mod ops;
 pub mod rms_norm_linear;
 

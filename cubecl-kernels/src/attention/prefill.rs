@@ -483,7 +483,7 @@ pub(crate) mod kernel {
 /// benchmarks.
 fn force_fma_override() -> bool {
     static VALUE: OnceLock<bool> = OnceLock::new();
-    *VALUE.get_or_init(|| std::env::var_os("BURN_NANOVLLM_PREFILL_FMA").is_some())
+    *VALUE.get_or_init(|| crate::knobs::is_set("BURN_NANOVLLM_PREFILL_FMA"))
 }
 
 /// The tensor-core launch for this device and shape, if any: four planes (64 queries) per cube,
@@ -521,19 +521,17 @@ fn cmma_config(
 
 /// `BURN_NANOVLLM_PREFILL_TILE=planes,block_k` (read once).
 fn tile_override() -> Option<(usize, usize)> {
-    static VALUE: OnceLock<Option<(usize, usize)>> = OnceLock::new();
-    *VALUE.get_or_init(|| {
-        let v = std::env::var("BURN_NANOVLLM_PREFILL_TILE").ok()?;
-        let (p, k) = v.split_once(',')?;
-        Some((p.trim().parse().ok()?, k.trim().parse().ok()?))
-    })
+    static VALUE: OnceLock<Option<[usize; 2]>> = OnceLock::new();
+    VALUE
+        .get_or_init(|| crate::knobs::numbers("BURN_NANOVLLM_PREFILL_TILE"))
+        .map(|[p, k]| (p, k))
 }
 
 /// `BURN_NANOVLLM_PREFILL_CMMA` set (read once): the portable-cmma kernel even where manual MMA
 /// exists, for benchmarks.
 fn force_cmma_override() -> bool {
     static VALUE: OnceLock<bool> = OnceLock::new();
-    *VALUE.get_or_init(|| std::env::var_os("BURN_NANOVLLM_PREFILL_CMMA").is_some())
+    *VALUE.get_or_init(|| crate::knobs::is_set("BURN_NANOVLLM_PREFILL_CMMA"))
 }
 
 /// The manual-MMA launch for this device and shape, if any: four 16-row query blocks per head
@@ -578,12 +576,10 @@ fn mma_config(
 
 /// `BURN_NANOVLLM_PREFILL_MMA=heads_per_cube,row_blocks,block_k` (read once).
 fn mma_override() -> Option<(usize, usize, usize)> {
-    static VALUE: OnceLock<Option<(usize, usize, usize)>> = OnceLock::new();
-    *VALUE.get_or_init(|| {
-        let v = std::env::var("BURN_NANOVLLM_PREFILL_MMA").ok()?;
-        let mut it = v.split(',').map(|x| x.trim().parse::<usize>().ok());
-        Some((it.next()??, it.next()??, it.next()??))
-    })
+    static VALUE: OnceLock<Option<[usize; 3]>> = OnceLock::new();
+    VALUE
+        .get_or_init(|| crate::knobs::numbers("BURN_NANOVLLM_PREFILL_MMA"))
+        .map(|[h, r, k]| (h, r, k))
 }
 
 /// Host side of prefill attention. `q [T, heads, D]`; `query_lens` are the host copies of each

@@ -268,12 +268,10 @@ fn split_k_off() -> bool {
 
 /// `BURN_NANOVLLM_SKINNY_MAX_M` (read once): a fixed skinny bound, for benchmarks.
 fn skinny_max_m_override() -> Option<usize> {
-    static VALUE: OnceLock<Option<usize>> = OnceLock::new();
-    *VALUE.get_or_init(|| {
-        std::env::var("BURN_NANOVLLM_SKINNY_MAX_M")
-            .ok()
-            .and_then(|v| v.parse().ok())
-    })
+    static VALUE: OnceLock<Option<[usize; 1]>> = OnceLock::new();
+    VALUE
+        .get_or_init(|| crate::knobs::numbers("BURN_NANOVLLM_SKINNY_MAX_M"))
+        .map(|[m]| m)
 }
 
 fn dims2(t: &CubeTensor) -> [usize; 2] {

@@ -332,10 +332,8 @@ pub(super) fn row_split_config(
 /// `BURN_NANOVLLM_DECODE=lanes,heads_per_unit,tile` (read once): another unit layout on plane
 /// devices, for benchmarks.
 fn layout_override() -> Option<(usize, usize, usize)> {
-    static VALUE: OnceLock<Option<(usize, usize, usize)>> = OnceLock::new();
-    *VALUE.get_or_init(|| {
-        let v = std::env::var("BURN_NANOVLLM_DECODE").ok()?;
-        let mut it = v.split(',').map(|x| x.trim().parse::<usize>().ok());
-        Some((it.next()??, it.next()??, it.next()??))
-    })
+    static VALUE: OnceLock<Option<[usize; 3]>> = OnceLock::new();
+    VALUE
+        .get_or_init(|| crate::knobs::numbers("BURN_NANOVLLM_DECODE"))
+        .map(|[l, h, t]| (l, h, t))
 }
