@@ -221,6 +221,29 @@ fn decode_matches_reference() {
         },
         DType::F32,
     );
+    // Wide groups in half precision (on CUDA: the tensor-core decode kernel, heads as rows).
+    check_attention(
+        &mut rng,
+        &seqs,
+        16,
+        Heads {
+            heads: 14,
+            kv_heads: 2,
+            d: 64,
+        },
+        DType::BF16,
+    );
+    check_attention(
+        &mut rng,
+        &[(1, 3), (1, 1000)],
+        256,
+        Heads {
+            heads: 16,
+            kv_heads: 2,
+            d: 128,
+        },
+        DType::F16,
+    );
     // A block size that is not a multiple of the row-split kernel's key tile (lookups per key).
     check_attention(
         &mut rng,

@@ -9,12 +9,15 @@
 //! - [`row_split`] for narrow groups (`G < 4`: Qwen3, Qwen2-1.5B): a key row is split over plane
 //!   lanes holding query slices in registers, partial dots meet through shuffles, no cube-wide
 //!   synchronisation while keys stream;
-//! - [`wide_group`] for wide groups (Qwen2-0.5B's 7): the group's queries in shared memory, one
-//!   unit per key, cube reductions per chunk of keys.
+//! - [`mma_group`] for wide groups (Qwen2-0.5B's 7, up to 16) on CUDA in bf16/f16: the group's
+//!   heads are the rows of a tensor-core tile (`mma.sync`), planes are independent key streams;
+//! - [`wide_group`] for wide groups elsewhere: the group's queries in shared memory, one unit per
+//!   key, cube reductions per chunk of keys.
 //!
 //! With one split a cube normalises and writes `out [B, heads, D]`; otherwise it writes its
 //! unnormalised accumulator, max and sum to a workspace and [`combine_splits`] merges them.
 
+mod mma_group;
 mod row_split;
 mod wide_group;
 
@@ -27,6 +30,18 @@ use crate::device_caps::DeviceCaps;
 
 /// Groups of at least this many query heads per kv head take the wide-group kernel.
 const WIDE_GROUP: usize = 4;
+
+/// Planes (key streams) per cube of the tensor-core kernel.
+const MMA_PLANES: usize = 4;
+
+/// `BURN_NANOVLLM_DECODE_MMA=planes` (read once; 0 = never the tensor-core kernel), for
+/// benchmarks.
+fn mma_planes_override() -> Option<usize> {
+    static VALUE: std::sync::OnceLock<Option<[usize; 1]>> = std::sync::OnceLock::new();
+    VALUE
+        .get_or_init(|| crate::knobs::numbers("BURN_NANOVLLM_DECODE_MMA"))
+        .map(|[p]| p)
+}
 
 /// Most context splits of one (sequence, kv head); the combine walks them serially.
 const MAX_SPLITS: usize = 64;
@@ -67,6 +82,60 @@ pub fn combine_splits<F: Float>(
     }
 }
 
+/// Merges the states of a cube's key streams — `acc_s [streams][group][D]` (unnormalised
+/// outputs), `m_s`, `l_s [streams][group]` (running max and sum) — of one (kv head, sequence,
+/// split) and writes `out [B, heads, D]` (one split) or the split's partials for
+/// [`combine_splits`]. Units over `group × D`.
+#[cube]
+#[allow(clippy::too_many_arguments)]
+pub(super) fn write_merged<F: Float>(
+    acc_s: &Shared<[f32]>,
+    m_s: &Shared<[f32]>,
+    l_s: &Shared<[f32]>,
+    out: &mut Tensor<F>,
+    part_acc: &mut Tensor<f32>,
+    part_stats: &mut Tensor<f32>,
+    #[comptime] streams: usize,
+    #[comptime] group: usize,
+    #[comptime] head_dim: usize,
+    #[comptime] kv_heads: usize,
+    #[comptime] splits: usize,
+) {
+    let kvh = CUBE_POS_X as usize;
+    let seq = CUBE_POS_Y as usize;
+    let split = CUBE_POS_Z as usize;
+    let mut e = UNIT_POS_X as usize;
+    while e < comptime!(group * head_dim) {
+        let g = e / head_dim;
+        let j = e % head_dim;
+        let mut big = f32::new(f32::NEG_INFINITY);
+        for zz in 0..streams {
+            big = max(big, m_s[zz * group + g]);
+        }
+        let mut num = 0.0f32;
+        let mut den = 0.0f32;
+        for zz in 0..streams {
+            let mz = m_s[zz * group + g];
+            let w = select(mz == f32::new(f32::NEG_INFINITY), 0.0, f32::exp(mz - big));
+            num += acc_s[(zz * group + g) * head_dim + j] * w;
+            den += l_s[zz * group + g] * w;
+        }
+        let h = kvh * group + g;
+        if comptime!(splits == 1) {
+            let at = seq * out.stride(0) + h * out.stride(1) + j;
+            out[at] = F::cast_from(num / den);
+        } else {
+            let row = (seq * comptime!(group * kv_heads) + h) * splits + split;
+            part_acc[row * head_dim + j] = num;
+            if j == 0 {
+                part_stats[row * 2] = big;
+                part_stats[row * 2 + 1] = den;
+            }
+        }
+        e += CUBE_DIM_X as usize;
+    }
+}
+
 /// Host side of decode attention. `q [B, heads, D]`; returns `[B, heads, D]`.
 #[allow(clippy::too_many_arguments)]
 pub(crate) fn paged_decode(
@@ -93,7 +162,22 @@ pub(crate) fn paged_decode(
         return out;
     }
     let group = heads / kv_heads;
-    let kernel = if group >= WIDE_GROUP {
+    let vec = crate::vector_size(dtype, &[d]);
+    let mma_planes = mma_planes_override().unwrap_or(MMA_PLANES);
+    let kernel = if (WIDE_GROUP..=16).contains(&group)
+        && mma_planes > 0
+        && caps.mma_16x8x16(dtype)
+        && vec * dtype.size() == 16
+        && d.is_multiple_of(16)
+    {
+        Kernel::Mma(mma_group::MmaGroupConfig {
+            group,
+            head_dim: d,
+            kv_heads,
+            planes: mma_planes,
+            splits: 1,
+        })
+    } else if group >= WIDE_GROUP {
         Kernel::WideGroup(wide_group::WideGroupConfig {
             group,
             head_dim: d,
@@ -108,6 +192,7 @@ pub(crate) fn paged_decode(
         ))
     };
     let (units, step) = match &kernel {
+        Kernel::Mma(c) => (c.units(), c.step()),
         Kernel::WideGroup(c) => (c.cube_dim, c.cube_dim),
         Kernel::RowSplit(c) => (c.units(), c.tile * c.streams),
     };
@@ -118,6 +203,7 @@ pub(crate) fn paged_decode(
     // splits at batch 256 cost it 13 % on the H100).
     let resident = match &kernel {
         Kernel::RowSplit(_) if caps.plane_ops => (caps.max_cube_units / units).max(1),
+        Kernel::Mma(_) => 4,
         _ => 2,
     };
     let target = resident * caps.multiprocessors;
@@ -129,7 +215,6 @@ pub(crate) fn paged_decode(
     };
     let split_len = chunks.div_ceil(splits) * step;
     let splits = max_context.div_ceil(split_len).max(1);
-    let vec = crate::vector_size(dtype, &[d]);
     let rows = if splits > 1 { b * heads * splits } else { 1 };
     let workspace = |n: usize| {
         empty_device_dtype(
@@ -146,6 +231,26 @@ pub(crate) fn paged_decode(
     // entries the metadata checked; output indices are below B × heads × D.
     unsafe {
         match kernel {
+            Kernel::Mma(cfg) => mma_group::paged_decode_mma::launch_unchecked(
+                &q.client,
+                count,
+                CubeDim::new_1d(units as u32),
+                address,
+                vec,
+                q.clone().into_tensor_arg(),
+                k_cache.into_tensor_arg(),
+                v_cache.into_tensor_arg(),
+                block_tables.into_tensor_arg(),
+                context_lens.into_tensor_arg(),
+                out.clone().into_tensor_arg(),
+                part_acc.clone().into_tensor_arg(),
+                part_stats.clone().into_tensor_arg(),
+                scale,
+                block_size,
+                split_len,
+                mma_group::MmaGroupConfig { splits, ..cfg },
+                dtype_to_storage_type(dtype),
+            ),
             Kernel::WideGroup(cfg) => wide_group::paged_decode_wide_group::launch_unchecked(
                 &q.client,
                 count,
@@ -207,6 +312,7 @@ pub(crate) fn paged_decode(
 
 /// The kernel a launch takes, with its comptime configuration.
 enum Kernel {
+    Mma(mma_group::MmaGroupConfig),
     WideGroup(wide_group::WideGroupConfig),
     RowSplit(row_split::RowSplitConfig),
 }

@@ -23,6 +23,7 @@ use std::sync::OnceLock;
 use burn::tensor::DType;
 use cubecl::prelude::*;
 
+use super::write_merged;
 use crate::device_caps::DeviceCaps;
 
 /// Comptime part of the launch (see the module documentation for the unit layout).
@@ -85,7 +86,6 @@ pub fn paged_decode_row_split<F: Float, NV: Size>(
     let ygroups = comptime!(cfg.group / cfg.heads_per_unit);
     let tile = cfg.tile;
     let small = comptime!(cfg.unroll || cfg.heads_per_unit * slots <= 4);
-    let heads = comptime!(cfg.group * cfg.kv_heads);
     let x = tid % lanes;
     let y = (tid / lanes) % ygroups;
     let z = tid / (lanes * ygroups);
@@ -236,36 +236,19 @@ pub fn paged_decode_row_split<F: Float, NV: Size>(
         }
     }
     sync_cube();
-    let mut e = tid;
-    while e < comptime!(cfg.group * cfg.head_dim) {
-        let g = e / d;
-        let j = e % d;
-        let mut big = f32::new(f32::NEG_INFINITY);
-        for zz in 0..cfg.streams {
-            big = max(big, m_s[zz * cfg.group + g]);
-        }
-        let mut num = 0.0f32;
-        let mut den = 0.0f32;
-        for zz in 0..cfg.streams {
-            let mz = m_s[zz * cfg.group + g];
-            let w = select(mz == f32::new(f32::NEG_INFINITY), 0.0, f32::exp(mz - big));
-            num += acc_s[(zz * cfg.group + g) * d + j] * w;
-            den += l_s[zz * cfg.group + g] * w;
-        }
-        let h = kvh * cfg.group + g;
-        if comptime!(cfg.splits == 1) {
-            let at = seq * out.stride(0) + h * out.stride(1) + j;
-            out[at] = F::cast_from(num / den);
-        } else {
-            let row = (seq * heads + h) * cfg.splits + split;
-            part_acc[row * d + j] = num;
-            if j == 0 {
-                part_stats[row * 2] = big;
-                part_stats[row * 2 + 1] = den;
-            }
-        }
-        e += CUBE_DIM_X as usize;
-    }
+    write_merged(
+        &acc_s,
+        &m_s,
+        &l_s,
+        out,
+        part_acc,
+        part_stats,
+        cfg.streams,
+        cfg.group,
+        cfg.head_dim,
+        cfg.kv_heads,
+        cfg.splits,
+    );
 }
 
 /// Keys a stream loads per softmax update (8 measured better than 4 or 16 on the H100).
