@@ -42,6 +42,13 @@ impl MmaGroupConfig {
     pub fn step(&self) -> usize {
         16 * self.planes
     }
+
+    /// Shared memory of one cube in bytes: two K and two V stages of 16 padded rows per plane
+    /// (elements of `elem_bytes`), then the f32 merge buffers.
+    pub fn shared_bytes(&self, elem_bytes: usize) -> usize {
+        let stages = 4 * self.planes * 16 * (self.head_dim + 8) * elem_bytes;
+        stages + 4 * self.planes * self.group * (self.head_dim + 2)
+    }
 }
 
 /// Loads this lane's share of 16 keys' K and V rows from `k0` (zeros from `end` on).

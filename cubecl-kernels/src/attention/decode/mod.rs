@@ -163,20 +163,22 @@ pub(crate) fn paged_decode(
     }
     let group = heads / kv_heads;
     let vec = crate::vector_size(dtype, &[d]);
-    let mma_planes = mma_planes_override().unwrap_or(MMA_PLANES);
+    let mma = mma_group::MmaGroupConfig {
+        group,
+        head_dim: d,
+        kv_heads,
+        planes: mma_planes_override().unwrap_or(MMA_PLANES),
+        splits: 1,
+    };
     let kernel = if (WIDE_GROUP..=16).contains(&group)
-        && mma_planes > 0
+        && mma.planes > 0
+        && mma.units() <= caps.max_cube_units
+        && mma.shared_bytes(dtype.size()) <= caps.shared_bytes
         && caps.mma_16x8x16(dtype)
         && vec * dtype.size() == 16
         && d.is_multiple_of(16)
     {
-        Kernel::Mma(mma_group::MmaGroupConfig {
-            group,
-            head_dim: d,
-            kv_heads,
-            planes: mma_planes,
-            splits: 1,
-        })
+        Kernel::Mma(mma)
     } else if group >= WIDE_GROUP {
         Kernel::WideGroup(wide_group::WideGroupConfig {
             group,
