@@ -22,6 +22,7 @@ pub use metadata::{AttentionMetadata, MetadataTensors};
 pub use store_kv::QkvLayout;
 
 use crate::KernelError;
+use crate::device_caps::DeviceCaps;
 use crate::ops::{AttentionPlan, KernelOps};
 
 /// Rotary tables: `cos`, `sin` `[max_positions, head_dim / 2]`, f32.
@@ -327,6 +328,12 @@ pub(crate) fn upload_i32<const D: usize>(
         handle,
         DType::I32,
     )
+}
+
+/// True if the manual-MMA attention kernels (`mma.sync` 16×8×16, 16-byte `ldmatrix` rows) can
+/// run `dtype` at `head_dim` with K/V vectors of `vec` elements on this device.
+pub(crate) fn mma_fits(caps: &DeviceCaps, dtype: DType, head_dim: usize, vec: usize) -> bool {
+    caps.mma_16x8x16(dtype) && head_dim.is_multiple_of(16) && vec * dtype.size() == 16
 }
 
 /// The index width the kernels need: 64-bit once any tensor holds 2³² elements or more.

@@ -547,10 +547,7 @@ fn mma_config(
     head_dim: usize,
     vec: usize,
 ) -> Option<MmaPrefillConfig> {
-    if !caps.mma_16x8x16(dtype)
-        || !head_dim.is_multiple_of(16)
-        || force_fma_override()
-        || force_cmma_override()
+    if !super::mma_fits(caps, dtype, head_dim, vec) || force_fma_override() || force_cmma_override()
     {
         return None;
     }
@@ -568,7 +565,6 @@ fn mma_config(
         row_blocks,
     };
     (cfg.block_k.is_multiple_of(16)
-        && vec * dtype.size() == 16
         && cfg.units() <= caps.max_cube_units
         && cfg.shared_bytes(dtype.size()) <= caps.shared_bytes)
         .then_some(cfg)
@@ -626,20 +622,16 @@ pub(crate) fn paged_prefill(
         return out;
     }
     let tiles = super::upload_i32(&q, &tiles, [num_tiles, 2]);
-    if let Some(cfg) = mma {
-        // SAFETY: as below; `mma_config` checked the tile divisibility the unrolled staging loop
-        // relies on and the shared-memory budget.
-        unsafe {
-            paged_prefill_mma::launch_unchecked(
+    // The tensor-core kernels take the same arguments; the function, grid, vector width and
+    // config differ.
+    macro_rules! launch {
+        ($kernel:path, $heads:expr, $units:expr, $vec:expr, $cfg:expr) => {
+            $kernel(
                 &q.client,
-                CubeCount::Static(
-                    num_tiles as u32,
-                    (kv_heads * cfg.cubes_per_kv_head()) as u32,
-                    1,
-                ),
-                CubeDim::new_1d(cfg.units() as u32),
+                CubeCount::Static(num_tiles as u32, $heads as u32, 1),
+                CubeDim::new_1d($units as u32),
                 super::address_type(&[&k_cache, &q]),
-                kv_vec,
+                $vec,
                 q.clone().into_tensor_arg(),
                 k_cache.into_tensor_arg(),
                 v_cache.into_tensor_arg(),
@@ -650,8 +642,21 @@ pub(crate) fn paged_prefill(
                 out.clone().into_tensor_arg(),
                 scale,
                 block_size,
-                cfg,
+                $cfg,
                 dtype_to_storage_type(dtype),
+            )
+        };
+    }
+    if let Some(cfg) = mma {
+        // SAFETY: as below; `mma_config` checked the shared-memory budget (its staging loop
+        // guards a partial last round).
+        unsafe {
+            launch!(
+                paged_prefill_mma::launch_unchecked,
+                kv_heads * cfg.cubes_per_kv_head(),
+                cfg.units(),
+                kv_vec,
+                cfg
             );
         }
         return out;
@@ -660,24 +665,12 @@ pub(crate) fn paged_prefill(
         // SAFETY: as below; `cmma_config` checked the tile divisibility the unrolled staging
         // loops rely on and the shared-memory budget.
         unsafe {
-            kernel::paged_prefill_cmma::launch_unchecked(
-                &q.client,
-                CubeCount::Static(num_tiles as u32, heads as u32, 1),
-                CubeDim::new_1d(cfg.units() as u32),
-                super::address_type(&[&k_cache, &q]),
+            launch!(
+                kernel::paged_prefill_cmma::launch_unchecked,
+                heads,
+                cfg.units(),
                 vec,
-                q.clone().into_tensor_arg(),
-                k_cache.into_tensor_arg(),
-                v_cache.into_tensor_arg(),
-                block_tables.into_tensor_arg(),
-                context_lens.into_tensor_arg(),
-                cu_seqlens_q.into_tensor_arg(),
-                tiles.into_tensor_arg(),
-                out.clone().into_tensor_arg(),
-                scale,
-                block_size,
-                cfg,
-                dtype_to_storage_type(dtype),
+                cfg
             );
         }
         return out;

@@ -174,9 +174,7 @@ pub(crate) fn paged_decode(
         && mma.planes > 0
         && mma.units() <= caps.max_cube_units
         && mma.shared_bytes(dtype.size()) <= caps.shared_bytes
-        && caps.mma_16x8x16(dtype)
-        && vec * dtype.size() == 16
-        && d.is_multiple_of(16)
+        && super::mma_fits(&caps, dtype, d, vec)
     {
         Kernel::Mma(mma)
     } else if group >= WIDE_GROUP {
@@ -232,66 +230,43 @@ pub(crate) fn paged_decode(
     // SAFETY: keys are read only below each sequence's context length, through block-table
     // entries the metadata checked; output indices are below B × heads × D.
     unsafe {
+        // The three kernels take the same arguments; only the function and its config differ.
+        macro_rules! launch {
+            ($kernel:path, $cfg:expr) => {
+                $kernel(
+                    &q.client,
+                    count,
+                    CubeDim::new_1d(units as u32),
+                    address,
+                    vec,
+                    q.clone().into_tensor_arg(),
+                    k_cache.into_tensor_arg(),
+                    v_cache.into_tensor_arg(),
+                    block_tables.into_tensor_arg(),
+                    context_lens.into_tensor_arg(),
+                    out.clone().into_tensor_arg(),
+                    part_acc.clone().into_tensor_arg(),
+                    part_stats.clone().into_tensor_arg(),
+                    scale,
+                    block_size,
+                    split_len,
+                    $cfg,
+                    dtype_to_storage_type(dtype),
+                )
+            };
+        }
         match kernel {
-            Kernel::Mma(cfg) => mma_group::paged_decode_mma::launch_unchecked(
-                &q.client,
-                count,
-                CubeDim::new_1d(units as u32),
-                address,
-                vec,
-                q.clone().into_tensor_arg(),
-                k_cache.into_tensor_arg(),
-                v_cache.into_tensor_arg(),
-                block_tables.into_tensor_arg(),
-                context_lens.into_tensor_arg(),
-                out.clone().into_tensor_arg(),
-                part_acc.clone().into_tensor_arg(),
-                part_stats.clone().into_tensor_arg(),
-                scale,
-                block_size,
-                split_len,
-                mma_group::MmaGroupConfig { splits, ..cfg },
-                dtype_to_storage_type(dtype),
+            Kernel::Mma(cfg) => launch!(
+                mma_group::paged_decode_mma::launch_unchecked,
+                mma_group::MmaGroupConfig { splits, ..cfg }
             ),
-            Kernel::WideGroup(cfg) => wide_group::paged_decode_wide_group::launch_unchecked(
-                &q.client,
-                count,
-                CubeDim::new_1d(units as u32),
-                address,
-                vec,
-                q.clone().into_tensor_arg(),
-                k_cache.into_tensor_arg(),
-                v_cache.into_tensor_arg(),
-                block_tables.into_tensor_arg(),
-                context_lens.into_tensor_arg(),
-                out.clone().into_tensor_arg(),
-                part_acc.clone().into_tensor_arg(),
-                part_stats.clone().into_tensor_arg(),
-                scale,
-                block_size,
-                split_len,
-                wide_group::WideGroupConfig { splits, ..cfg },
-                dtype_to_storage_type(dtype),
+            Kernel::WideGroup(cfg) => launch!(
+                wide_group::paged_decode_wide_group::launch_unchecked,
+                wide_group::WideGroupConfig { splits, ..cfg }
             ),
-            Kernel::RowSplit(cfg) => row_split::paged_decode_row_split::launch_unchecked(
-                &q.client,
-                count,
-                CubeDim::new_1d(units as u32),
-                address,
-                vec,
-                q.clone().into_tensor_arg(),
-                k_cache.into_tensor_arg(),
-                v_cache.into_tensor_arg(),
-                block_tables.into_tensor_arg(),
-                context_lens.into_tensor_arg(),
-                out.clone().into_tensor_arg(),
-                part_acc.clone().into_tensor_arg(),
-                part_stats.clone().into_tensor_arg(),
-                scale,
-                block_size,
-                split_len,
-                row_split::RowSplitConfig { splits, ..cfg },
-                dtype_to_storage_type(dtype),
+            Kernel::RowSplit(cfg) => launch!(
+                row_split::paged_decode_row_split::launch_unchecked,
+                row_split::RowSplitConfig { splits, ..cfg }
             ),
         }
         if splits > 1 {
