@@ -4,9 +4,11 @@
 
 mod attention;
 mod decode_step;
+mod engine_bench;
 mod linear;
 mod report;
 mod timing;
+mod workload;
 
 use std::path::PathBuf;
 
@@ -41,6 +43,21 @@ struct Cli {
     /// Write all tables as JSON here.
     #[arg(long)]
     out: Option<PathBuf>,
+    /// Model of the engine suites (random weights of its config).
+    #[arg(long, default_value = "qwen2-0.5b")]
+    dummy: String,
+    /// Engine suites: decode steps eagerly (no CUDA graphs).
+    #[arg(long)]
+    enforce_eager: bool,
+    /// Engine suites: sequences of the nano workload.
+    #[arg(long, default_value_t = 256)]
+    num_seqs: usize,
+    /// Engine suites: most sequences per step.
+    #[arg(long, default_value_t = 256)]
+    max_num_seqs: usize,
+    /// Engine suites: most tokens per step.
+    #[arg(long, default_value_t = 8192)]
+    max_num_batched_tokens: usize,
 }
 
 #[derive(Clone, Copy, PartialEq, Eq, ValueEnum)]
@@ -49,6 +66,8 @@ enum Suite {
     Decode,
     Prefill,
     Step,
+    /// nano-vLLM's bench.py workload through the engine.
+    Nano,
     All,
 }
 
@@ -136,6 +155,29 @@ fn main() -> Result<()> {
             c.vocab_size = 1000;
         }
         tables.push(decode_step::run("qwen2-0.5b", &c, ms, !cli.ours_only, &device, dtype).json());
+    }
+    if cli.suite.contains(&Suite::Nano) {
+        let mut c = config(&cli.dummy)?;
+        let mut num_seqs = cli.num_seqs;
+        if q {
+            c.num_hidden_layers = 2;
+            c.vocab_size = 1000;
+            num_seqs = num_seqs.min(4);
+        }
+        let setup = engine_bench::EngineSetup {
+            model: &cli.dummy,
+            config: &c,
+            engine: burn_nanovllm::EngineConfig {
+                device: cli.device,
+                dtype: Some(dtype),
+                max_model_len: Some(4096),
+                max_num_seqs: cli.max_num_seqs,
+                max_num_batched_tokens: cli.max_num_batched_tokens,
+                enforce_eager: cli.enforce_eager,
+                ..burn_nanovllm::EngineConfig::default()
+            },
+        };
+        tables.push(engine_bench::nano(&setup, num_seqs, &device, dtype)?.json());
     }
     if let Some(out) = cli.out {
         std::fs::write(&out, serde_json::to_string_pretty(&tables)?)

@@ -1,47 +1,28 @@
-//! `LLM`: load a checkpoint folder once, then generate for batches of prompts.
+//! `LLM`: vLLM's offline entry point. Loads a model once, then generates for batches of
+//! prompts through the engine's step loop, with one `SamplingParams` for all prompts or one
+//! each, and a progress bar on terminals.
 
-use std::path::{Path, PathBuf};
+use std::collections::HashMap;
+use std::io::IsTerminal;
+use std::path::Path;
 
-use burn::tensor::{DType, Device};
-use cubecl_kernels::DeviceKind;
-use model_qwen2::{
-    AttentionMetadata, ChatMessage, KvCache, LogitsRows, Qwen2Model, Qwen2Tokenizer,
+use engine::{
+    EngineConfig, FinishReason, LLMEngine, RequestId, RequestMetrics, SamplingParams, TokenLogprobs,
 };
+use indicatif::{ProgressBar, ProgressStyle};
+use model_qwen2::ChatMessage;
 
 use crate::error::{LlmError, Result};
-use crate::sampling::{Sampler, SamplingParams};
 
-/// Engine options fixed at load time.
-#[derive(Clone, Debug)]
-pub struct LlmOptions {
-    /// Where the model runs.
-    pub device: DeviceKind,
-    /// Compute dtype; default f32 on CPUs, bf16 on GPUs.
-    pub dtype: Option<DType>,
-    /// Tokens per KV-cache block.
-    pub block_size: usize,
-    /// Longest prompt + completion; default the model's `max_position_embeddings`.
-    pub max_model_len: Option<usize>,
-}
-
-impl Default for LlmOptions {
-    fn default() -> Self {
-        Self {
-            device: DeviceKind::Cpu,
-            dtype: None,
-            block_size: 16,
-            max_model_len: None,
-        }
-    }
-}
-
-/// A prompt as text or as token ids.
+/// A prompt as text, token ids, or a conversation (rendered with the chat template).
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub enum Prompt {
     /// Raw text, tokenized as is.
     Text(String),
     /// Token ids.
     Tokens(Vec<u32>),
+    /// Messages, rendered through the checkpoint's chat template with a generation prompt.
+    Chat(Vec<ChatMessage>),
 }
 
 impl From<&str> for Prompt {
@@ -50,253 +31,235 @@ impl From<&str> for Prompt {
     }
 }
 
-/// Why a completion stopped.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum FinishReason {
-    /// An end-of-sequence token was generated.
-    Stop,
-    /// `max_tokens` or `max_model_len` was reached.
-    Length,
+impl From<String> for Prompt {
+    fn from(s: String) -> Self {
+        Self::Text(s)
+    }
+}
+
+impl From<Vec<u32>> for Prompt {
+    fn from(ids: Vec<u32>) -> Self {
+        Self::Tokens(ids)
+    }
+}
+
+/// Sampling parameters for a `generate` call: one set for every prompt, or one per prompt.
+#[derive(Clone, Copy, Debug)]
+pub enum ParamsFor<'a> {
+    /// The same parameters for every prompt.
+    All(&'a SamplingParams),
+    /// One set per prompt, in order.
+    Each(&'a [SamplingParams]),
+}
+
+impl<'a> From<&'a SamplingParams> for ParamsFor<'a> {
+    fn from(p: &'a SamplingParams) -> Self {
+        Self::All(p)
+    }
+}
+
+impl<'a> From<&'a [SamplingParams]> for ParamsFor<'a> {
+    fn from(p: &'a [SamplingParams]) -> Self {
+        Self::Each(p)
+    }
+}
+
+impl<'a> From<&'a Vec<SamplingParams>> for ParamsFor<'a> {
+    fn from(p: &'a Vec<SamplingParams>) -> Self {
+        Self::Each(p)
+    }
 }
 
 /// The result of one prompt.
 #[derive(Clone, Debug, PartialEq)]
 pub struct Completion {
-    /// The prompt's token ids.
+    /// The prompt's token ids (empty if it could not be tokenized).
     pub prompt_token_ids: Vec<u32>,
-    /// Generated ids (the end-of-sequence token included when it stopped generation).
+    /// Generated ids (a stop or end-of-sequence token included).
     pub token_ids: Vec<u32>,
-    /// Decoded text of `token_ids` without special tokens, when a tokenizer is present.
+    /// Text of the generated tokens (cut at a stop string), when the model has a tokenizer.
     pub text: Option<String>,
-    /// Why generation stopped.
+    /// Why generation stopped; `Error` holds this request's own failure.
     pub finish_reason: FinishReason,
+    /// Log-probabilities of each generated token, when asked for.
+    pub logprobs: Vec<TokenLogprobs>,
+    /// Prompt tokens served from the prefix cache.
+    pub num_cached_tokens: usize,
+    /// Time to first token and total time.
+    pub metrics: Option<RequestMetrics>,
 }
 
-/// A loaded model with its tokenizer, ready to generate (vLLM's `LLM`).
+/// A loaded model and its engine, ready to generate.
 pub struct LLM {
-    model: Qwen2Model,
-    tokenizer: Option<Qwen2Tokenizer>,
-    device: Device,
-    eos_ids: Vec<u32>,
-    block_size: usize,
-    max_model_len: usize,
+    engine: LLMEngine,
+    progress: bool,
 }
 
 impl LLM {
-    /// Loads the checkpoint folder `dir` (config, weights, tokenizer when present).
-    pub fn new(dir: impl AsRef<Path>, options: LlmOptions) -> Result<Self> {
-        let dir = dir.as_ref();
-        let device = options.device.device()?;
-        let dtype = options.dtype.unwrap_or(match options.device {
-            DeviceKind::Cuda(_) => DType::BF16,
-            _ => DType::F32,
-        });
-        let model = Qwen2Model::from_pretrained(dir, dtype, &device)?;
-        Self::with_model(model, dir, device, options)
+    /// Loads the checkpoint folder `dir` with the engine options `config`.
+    pub fn new(dir: impl AsRef<Path>, config: EngineConfig) -> Result<Self> {
+        Ok(Self::from_engine(LLMEngine::new(dir, config)?))
     }
 
-    /// Wraps an already built model (e.g. [`Qwen2Model::dummy`]); `dir` is searched for the
-    /// tokenizer and `generation_config.json`.
-    pub fn with_model(
-        model: Qwen2Model,
-        dir: &Path,
-        device: Device,
-        options: LlmOptions,
-    ) -> Result<Self> {
-        let tokenizer = if dir.join("tokenizer.json").exists() {
-            Some(Qwen2Tokenizer::from_dir(dir)?)
-        } else {
-            None
-        };
-        let mut eos_ids = model.config.eos_token_ids.clone();
-        for id in generation_eos_ids(&dir.join("generation_config.json"))? {
-            if !eos_ids.contains(&id) {
-                eos_ids.push(id);
+    /// Wraps an engine (e.g. one built over a dummy model).
+    pub fn from_engine(engine: LLMEngine) -> Self {
+        Self {
+            engine,
+            progress: std::io::stderr().is_terminal(),
+        }
+    }
+
+    /// Shows (or hides) the progress bar of `generate`; on by default on a terminal.
+    pub fn set_progress(&mut self, on: bool) {
+        self.progress = on;
+    }
+
+    /// The engine (streaming API, limits, statistics).
+    pub fn engine(&self) -> &LLMEngine {
+        &self.engine
+    }
+
+    /// The engine, mutably (streaming API).
+    pub fn engine_mut(&mut self) -> &mut LLMEngine {
+        &mut self.engine
+    }
+
+    /// A single user message, rendered through the chat template.
+    pub fn chat_prompt(&self, user: &str) -> Prompt {
+        Prompt::Chat(vec![ChatMessage::new("user", user)])
+    }
+
+    /// Token ids of a prompt.
+    pub fn tokenize(&self, prompt: &Prompt) -> Result<Vec<u32>> {
+        let tokenizer = || self.engine.tokenizer().ok_or(LlmError::NoTokenizer);
+        Ok(match prompt {
+            Prompt::Tokens(ids) => ids.clone(),
+            Prompt::Text(text) => tokenizer()?.encode(text)?,
+            Prompt::Chat(messages) => {
+                let t = tokenizer()?;
+                t.encode(&t.apply_chat_template(messages, true)?)?
             }
-        }
-        let limit = model.config.max_position_embeddings;
-        let max_model_len = options.max_model_len.unwrap_or(limit);
-        if max_model_len > limit {
-            return Err(LlmError::Invalid(format!(
-                "max_model_len {max_model_len} exceeds the model's max_position_embeddings {limit}"
-            )));
-        }
-        if options.block_size == 0 {
-            return Err(LlmError::Invalid("block_size must be positive".into()));
-        }
-        Ok(Self {
-            model,
-            tokenizer,
-            device,
-            eos_ids,
-            block_size: options.block_size,
-            max_model_len,
         })
     }
 
-    /// The model.
-    pub fn model(&self) -> &Qwen2Model {
-        &self.model
-    }
-
-    /// The tokenizer, when the folder has one.
-    pub fn tokenizer(&self) -> Option<&Qwen2Tokenizer> {
-        self.tokenizer.as_ref()
-    }
-
-    /// The device the model runs on.
-    pub fn device(&self) -> &Device {
-        &self.device
-    }
-
-    /// Renders a single user message through the chat template, ready to generate from.
-    pub fn chat_prompt(&self, user: &str) -> Result<Prompt> {
-        let tok = self.tokenizer.as_ref().ok_or(LlmError::NoTokenizer)?;
-        Ok(Prompt::Text(tok.apply_chat_template(
-            &[ChatMessage::new("user", user)],
-            true,
-        )?))
-    }
-
-    /// Generates a completion for every prompt (one batch: prefill together, then decode the
-    /// unfinished sequences together).
-    pub fn generate(&self, prompts: &[Prompt], params: &SamplingParams) -> Result<Vec<Completion>> {
-        let prompt_ids = prompts
-            .iter()
-            .map(|p| self.tokenize(p))
-            .collect::<Result<Vec<_>>>()?;
-        for (i, ids) in prompt_ids.iter().enumerate() {
-            if ids.is_empty() {
-                return Err(LlmError::Invalid(format!("prompt {i} is empty")));
-            }
-            if ids.len() >= self.max_model_len {
-                return Err(LlmError::PromptTooLong {
-                    index: i,
-                    len: ids.len(),
-                    max_model_len: self.max_model_len,
-                });
-            }
+    /// Generates a completion for every prompt, in order. A prompt that cannot run (too
+    /// long, invalid parameters, …) gets a completion with [`FinishReason::Error`]; the others
+    /// go on. An `Err` is a device or model failure.
+    pub fn generate<'a>(
+        &mut self,
+        prompts: &[Prompt],
+        params: impl Into<ParamsFor<'a>>,
+    ) -> Result<Vec<Completion>> {
+        let params = params.into();
+        if let ParamsFor::Each(each) = params
+            && each.len() != prompts.len()
+        {
+            return Err(LlmError::Invalid(format!(
+                "{} prompts but {} sampling parameter sets",
+                prompts.len(),
+                each.len()
+            )));
         }
-        if prompt_ids.is_empty() {
-            return Ok(Vec::new());
-        }
-        let bs = self.block_size;
-        let budget = |len: usize| (len + params.max_tokens).min(self.max_model_len);
-        let mut next_block = 0u32;
-        let mut seqs: Vec<Running> = prompt_ids
-            .into_iter()
-            .map(|ids| {
-                let n = budget(ids.len()).div_ceil(bs) as u32;
-                let table = (next_block..next_block + n).collect();
-                next_block += n;
-                Running {
-                    prompt_len: ids.len(),
-                    tokens: ids,
-                    table,
-                    cached: 0,
-                    finish: None,
+        let mut results: Vec<Completion> = Vec::with_capacity(prompts.len());
+        let mut index: HashMap<RequestId, usize> = HashMap::new();
+        let mut tracked = Vec::with_capacity(prompts.len());
+        for (i, prompt) in prompts.iter().enumerate() {
+            let p = match params {
+                ParamsFor::All(p) => p,
+                ParamsFor::Each(each) => &each[i],
+            };
+            let mut completion = Completion {
+                prompt_token_ids: Vec::new(),
+                token_ids: Vec::new(),
+                text: None,
+                finish_reason: FinishReason::Length,
+                logprobs: Vec::new(),
+                num_cached_tokens: 0,
+                metrics: None,
+            };
+            let added = self.tokenize(prompt).and_then(|ids| {
+                completion.prompt_token_ids = ids.clone();
+                Ok(self.engine.add_request(ids, p.clone())?)
+            });
+            match added {
+                Ok(id) => {
+                    index.insert(id, i);
                 }
-            })
-            .collect();
-        let mut cache = KvCache::new(
-            &self.model.config,
-            next_block as usize,
-            bs,
-            self.model.dtype(),
-            &self.device,
-        )?;
-        let mut sampler = Sampler::new(params.seed);
-        loop {
-            let active: Vec<usize> = (0..seqs.len())
-                .filter(|&i| seqs[i].finish.is_none())
-                .collect();
-            if active.is_empty() || params.max_tokens == 0 {
-                break;
+                Err(e) => completion.finish_reason = FinishReason::Error(e.to_string()),
             }
-            let ids: Vec<u32> = active
-                .iter()
-                .flat_map(|&i| seqs[i].tokens[seqs[i].cached..].to_vec())
-                .collect();
-            let meta = AttentionMetadata::new(
-                active
-                    .iter()
-                    .map(|&i| seqs[i].tokens.len() - seqs[i].cached)
-                    .collect(),
-                active.iter().map(|&i| seqs[i].tokens.len()).collect(),
-                active.iter().map(|&i| seqs[i].table.clone()).collect(),
-                bs,
-                &self.device,
-            )?;
-            let input = self.model.input_ids(&ids, &self.device)?;
-            let logits = self
-                .model
-                .forward(input, &meta, &mut cache, LogitsRows::LastPerSequence);
-            let next = sampler.sample(logits, params.temperature);
-            for (&i, token) in active.iter().zip(next) {
-                let s = &mut seqs[i];
-                s.cached = s.tokens.len();
-                s.tokens.push(token);
-                let generated = s.tokens.len() - s.prompt_len;
-                if !params.ignore_eos && self.eos_ids.contains(&token) {
-                    s.finish = Some(FinishReason::Stop);
-                } else if generated >= params.max_tokens || s.tokens.len() >= self.max_model_len {
-                    s.finish = Some(FinishReason::Length);
-                }
-            }
+            tracked.push(!p.stop.is_empty());
+            results.push(completion);
         }
-        seqs.into_iter()
-            .map(|s| {
-                let token_ids = s.tokens[s.prompt_len..].to_vec();
-                let text = match &self.tokenizer {
-                    Some(t) => Some(t.decode(&token_ids, true)?),
-                    None => None,
+        let bar = self.progress_bar(index.len());
+        let mut left = index.len();
+        while left > 0 {
+            let outputs = match self.engine.step() {
+                Ok(o) => o,
+                Err(e) => {
+                    for &id in index.keys() {
+                        let _ = self.engine.abort(id);
+                    }
+                    return Err(e.into());
+                }
+            };
+            for out in outputs {
+                let Some(&i) = index.get(&out.id) else {
+                    continue;
                 };
-                Ok(Completion {
-                    prompt_token_ids: s.tokens[..s.prompt_len].to_vec(),
-                    token_ids,
-                    text,
-                    finish_reason: s.finish.unwrap_or(FinishReason::Length),
-                })
-            })
-            .collect()
-    }
-
-    fn tokenize(&self, prompt: &Prompt) -> Result<Vec<u32>> {
-        match prompt {
-            Prompt::Tokens(ids) => Ok(ids.clone()),
-            Prompt::Text(text) => Ok(self
-                .tokenizer
-                .as_ref()
-                .ok_or(LlmError::NoTokenizer)?
-                .encode(text)?),
+                let c = &mut results[i];
+                c.token_ids.extend(&out.new_token_ids);
+                c.logprobs.extend(out.new_logprobs);
+                if tracked[i] {
+                    c.text
+                        .get_or_insert_with(String::new)
+                        .push_str(&out.new_text);
+                }
+                c.num_cached_tokens = out.num_cached_tokens;
+                if let Some(reason) = out.finish_reason {
+                    c.finish_reason = reason;
+                    c.metrics = out.metrics;
+                    left -= 1;
+                    if let Some(bar) = &bar {
+                        bar.inc(1);
+                    }
+                }
+            }
+            if let Some(bar) = &bar {
+                let s = self.engine.stats();
+                let secs = |d: std::time::Duration| d.as_secs_f64().max(1e-9);
+                bar.set_message(format!(
+                    "prefill {:.0} tok/s, decode {:.0} tok/s",
+                    s.prefill_tokens as f64 / secs(s.prefill_time),
+                    s.decode_tokens as f64 / secs(s.decode_time)
+                ));
+            }
         }
+        if let Some(bar) = bar {
+            bar.finish_and_clear();
+        }
+        if let Some(tokenizer) = self.engine.tokenizer().cloned() {
+            for (i, c) in results.iter_mut().enumerate() {
+                if c.text.is_none() {
+                    let skip = match params {
+                        ParamsFor::All(p) => p.skip_special_tokens,
+                        ParamsFor::Each(each) => each[i].skip_special_tokens,
+                    };
+                    c.text = Some(tokenizer.decode(&c.token_ids, skip)?);
+                }
+            }
+        }
+        Ok(results)
     }
-}
 
-struct Running {
-    prompt_len: usize,
-    tokens: Vec<u32>,
-    table: Vec<u32>,
-    cached: usize,
-    finish: Option<FinishReason>,
-}
-
-/// `eos_token_id` of `generation_config.json` (a number or a list), if the file exists.
-fn generation_eos_ids(path: &PathBuf) -> Result<Vec<u32>> {
-    if !path.exists() {
-        return Ok(Vec::new());
+    fn progress_bar(&self, n: usize) -> Option<ProgressBar> {
+        if !self.progress || n == 0 {
+            return None;
+        }
+        let bar = ProgressBar::new(n as u64);
+        bar.set_style(
+            ProgressStyle::with_template("Generating {bar:30} {pos}/{len} [{elapsed}<{eta}] {msg}")
+                .expect("progress template"),
+        );
+        Some(bar)
     }
-    let text = std::fs::read_to_string(path)
-        .map_err(|e| LlmError::Invalid(format!("{}: {e}", path.display())))?;
-    let json: serde_json::Value = serde_json::from_str(&text)
-        .map_err(|e| LlmError::Invalid(format!("{}: {e}", path.display())))?;
-    Ok(match &json["eos_token_id"] {
-        serde_json::Value::Number(n) => n.as_u64().map(|v| vec![v as u32]).unwrap_or_default(),
-        serde_json::Value::Array(a) => a
-            .iter()
-            .filter_map(|v| v.as_u64())
-            .map(|v| v as u32)
-            .collect(),
-        _ => Vec::new(),
-    })
 }

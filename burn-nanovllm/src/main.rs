@@ -1,11 +1,11 @@
-//! The `burn-nanovllm` command line: `generate` text, or dump `logits` for parity checks.
+//! The `burn-nanovllm` command line: `generate` completions, or dump `logits` for parity checks.
 
 use std::path::PathBuf;
 use std::time::Instant;
 
 use anyhow::{Context, Result, bail};
 use burn::tensor::DType;
-use burn_nanovllm::{DeviceKind, LLM, LlmOptions, Prompt, SamplingParams};
+use burn_nanovllm::{DeviceKind, EngineConfig, FinishReason, LLM, Prompt, SamplingParams};
 use clap::{Args, Parser, Subcommand};
 use model_qwen2::{AttentionMetadata, KvCache, LogitsRows};
 
@@ -22,7 +22,7 @@ struct Cli {
 
 #[derive(Subcommand)]
 enum Command {
-    /// Generate a completion for a prompt and print it.
+    /// Generate completions for one or more prompts and print them.
     Generate(GenerateArgs),
     /// Write the prompt logits and greedy continuations of token-id prompts to a safetensors
     /// file (used by scripts/hf_parity.py to compare with transformers).
@@ -42,28 +42,99 @@ struct ModelArgs {
     dtype: Option<DType>,
 }
 
+/// Engine options (vLLM's names).
+#[derive(Args)]
+struct EngineArgs {
+    /// Most sequences running at once.
+    #[arg(long, default_value_t = 256)]
+    max_num_seqs: usize,
+    /// Most tokens computed per step.
+    #[arg(long, default_value_t = 8192)]
+    max_num_batched_tokens: usize,
+    /// Longest prompt + completion (default: the model's max_position_embeddings).
+    #[arg(long)]
+    max_model_len: Option<usize>,
+    /// Tokens per KV block.
+    #[arg(long, default_value_t = 16)]
+    block_size: usize,
+    /// KV blocks in the pool (default: sized from free GPU memory, or 1 GiB on CPUs).
+    #[arg(long)]
+    num_kv_blocks: Option<usize>,
+    /// Fraction of GPU memory the engine may use.
+    #[arg(long, default_value_t = 0.9)]
+    gpu_memory_utilization: f32,
+    /// Run decode steps eagerly (no CUDA graphs).
+    #[arg(long)]
+    enforce_eager: bool,
+    /// Turn prefix caching off.
+    #[arg(long)]
+    no_prefix_caching: bool,
+}
+
+/// Sampling options (vLLM's names); unset ones come from the model's generation_config.json.
+#[derive(Args)]
+struct SamplingArgs {
+    /// Most tokens to generate.
+    #[arg(long, default_value_t = 64)]
+    max_tokens: usize,
+    /// Tokens to generate before end-of-sequence may stop.
+    #[arg(long, default_value_t = 0)]
+    min_tokens: usize,
+    /// Sampling temperature; 0 = greedy.
+    #[arg(long)]
+    temperature: Option<f32>,
+    /// Nucleus sampling mass.
+    #[arg(long)]
+    top_p: Option<f32>,
+    /// Keep the k most likely tokens (0 = all).
+    #[arg(long)]
+    top_k: Option<u32>,
+    /// Drop tokens below min_p × the top probability.
+    #[arg(long)]
+    min_p: Option<f32>,
+    /// Repetition penalty (1 = off).
+    #[arg(long)]
+    repetition_penalty: Option<f32>,
+    /// Presence penalty.
+    #[arg(long, default_value_t = 0.0)]
+    presence_penalty: f32,
+    /// Frequency penalty.
+    #[arg(long, default_value_t = 0.0)]
+    frequency_penalty: f32,
+    /// Sampling seed (each request gets it).
+    #[arg(long)]
+    seed: Option<u64>,
+    /// Stop string (repeatable).
+    #[arg(long)]
+    stop: Vec<String>,
+    /// Keep going past end-of-sequence tokens.
+    #[arg(long)]
+    ignore_eos: bool,
+    /// Print the log-probability of each token and this many alternatives.
+    #[arg(long)]
+    logprobs: Option<usize>,
+}
+
 #[derive(Args)]
 struct GenerateArgs {
     #[command(flatten)]
     model: ModelArgs,
-    /// The prompt text.
+    #[command(flatten)]
+    engine: EngineArgs,
+    #[command(flatten)]
+    sampling: SamplingArgs,
+    /// A prompt (repeatable).
     #[arg(long)]
-    prompt: String,
-    /// Wrap the prompt in the chat template as a user message.
+    prompt: Vec<String>,
+    /// A file of prompts, one per line: a JSON string, or an object with a "prompt" field.
+    #[arg(long)]
+    prompts_file: Option<PathBuf>,
+    /// Wrap each prompt in the chat template as a user message.
     #[arg(long)]
     chat: bool,
-    /// Most tokens to generate.
-    #[arg(long, default_value_t = 64)]
-    max_tokens: usize,
-    /// Sampling temperature; 0 = greedy.
-    #[arg(long, default_value_t = 0.0)]
-    temperature: f32,
-    /// Sampling seed.
+    /// Hide the progress bar.
     #[arg(long)]
-    seed: Option<u64>,
-    /// Keep going past end-of-sequence tokens.
-    #[arg(long)]
-    ignore_eos: bool,
+    no_progress: bool,
 }
 
 #[derive(Args)]
@@ -97,71 +168,194 @@ fn main() -> Result<()> {
     }
 }
 
-fn load(args: &ModelArgs) -> Result<LLM> {
-    let options = LlmOptions {
-        device: args.device,
-        dtype: args.dtype,
-        ..LlmOptions::default()
-    };
+fn load(model: &ModelArgs, config: EngineConfig) -> Result<LLM> {
     let start = Instant::now();
-    let llm = LLM::new(&args.model, options)
-        .with_context(|| format!("loading {}", args.model.display()))?;
+    let llm = LLM::new(&model.model, config)
+        .with_context(|| format!("loading {}", model.model.display()))?;
+    let limits = llm.engine().limits();
     eprintln!(
-        "loaded {} in {:.2?} on {:?} ({:?})",
-        args.model.display(),
+        "loaded {} in {:.2?} on {:?} ({:?}): {} KV blocks of {} tokens, max_model_len {}, {}",
+        model.model.display(),
         start.elapsed(),
-        args.device,
-        llm.model().dtype()
+        model.device,
+        limits.dtype,
+        limits.num_kv_blocks,
+        limits.block_size,
+        limits.max_model_len,
+        if limits.graph_sizes.is_empty() {
+            "eager".to_string()
+        } else {
+            format!("{} decode graphs", limits.graph_sizes.len())
+        }
     );
     Ok(llm)
 }
 
+fn engine_config(model: &ModelArgs, e: &EngineArgs) -> EngineConfig {
+    EngineConfig {
+        device: model.device,
+        dtype: model.dtype,
+        max_num_seqs: e.max_num_seqs,
+        max_num_batched_tokens: e.max_num_batched_tokens,
+        max_model_len: e.max_model_len,
+        block_size: e.block_size,
+        num_kv_blocks: e.num_kv_blocks,
+        gpu_memory_utilization: e.gpu_memory_utilization,
+        enforce_eager: e.enforce_eager,
+        enable_prefix_caching: !e.no_prefix_caching,
+        ..EngineConfig::default()
+    }
+}
+
+fn sampling_params(defaults: SamplingParams, s: &SamplingArgs) -> SamplingParams {
+    SamplingParams {
+        temperature: s.temperature.unwrap_or(defaults.temperature),
+        top_p: s.top_p.unwrap_or(defaults.top_p),
+        top_k: s.top_k.unwrap_or(defaults.top_k),
+        min_p: s.min_p.unwrap_or(defaults.min_p),
+        repetition_penalty: s.repetition_penalty.unwrap_or(defaults.repetition_penalty),
+        presence_penalty: s.presence_penalty,
+        frequency_penalty: s.frequency_penalty,
+        seed: s.seed,
+        max_tokens: s.max_tokens,
+        min_tokens: s.min_tokens,
+        stop: s.stop.clone(),
+        ignore_eos: s.ignore_eos,
+        logprobs: s.logprobs,
+        ..defaults
+    }
+}
+
+/// Prompts from `--prompt` and `--prompts-file` (JSON lines: a string or `{"prompt": …}`).
+fn read_prompts(args: &GenerateArgs) -> Result<Vec<String>> {
+    let mut prompts = args.prompt.clone();
+    if let Some(path) = &args.prompts_file {
+        let text =
+            std::fs::read_to_string(path).with_context(|| format!("reading {}", path.display()))?;
+        for (n, line) in text.lines().enumerate() {
+            if line.trim().is_empty() {
+                continue;
+            }
+            let value: serde_json::Value = serde_json::from_str(line)
+                .with_context(|| format!("{}:{}: not JSON", path.display(), n + 1))?;
+            match value {
+                serde_json::Value::String(s) => prompts.push(s),
+                serde_json::Value::Object(o) => match o.get("prompt") {
+                    Some(serde_json::Value::String(s)) => prompts.push(s.clone()),
+                    _ => bail!("{}:{}: no string field \"prompt\"", path.display(), n + 1),
+                },
+                _ => bail!(
+                    "{}:{}: expected a string or an object",
+                    path.display(),
+                    n + 1
+                ),
+            }
+        }
+    }
+    if prompts.is_empty() {
+        bail!("no prompt: give --prompt or --prompts-file");
+    }
+    Ok(prompts)
+}
+
 fn generate(args: GenerateArgs) -> Result<()> {
-    let llm = load(&args.model)?;
-    let prompt = if args.chat {
-        llm.chat_prompt(&args.prompt)?
-    } else {
-        Prompt::Text(args.prompt.clone())
-    };
-    let params = SamplingParams {
-        temperature: args.temperature,
-        max_tokens: args.max_tokens,
-        ignore_eos: args.ignore_eos,
-        seed: args.seed,
-    };
+    let texts = read_prompts(&args)?;
+    let mut llm = load(&args.model, engine_config(&args.model, &args.engine))?;
+    llm.set_progress(!args.no_progress);
+    let params = sampling_params(llm.engine().default_sampling_params(), &args.sampling);
+    let prompts: Vec<Prompt> = texts
+        .iter()
+        .map(|t| {
+            if args.chat {
+                llm.chat_prompt(t)
+            } else {
+                Prompt::Text(t.clone())
+            }
+        })
+        .collect();
     let start = Instant::now();
-    let out = llm.generate(&[prompt], &params)?.remove(0);
+    let outs = llm.generate(&prompts, &params)?;
     let secs = start.elapsed().as_secs_f64();
-    println!("{}", out.text.unwrap_or_default());
+    let tokenizer = llm.engine().tokenizer().cloned();
+    for (i, out) in outs.iter().enumerate() {
+        if outs.len() > 1 {
+            println!("--- [{i}] {:?}", texts[i]);
+        }
+        match &out.finish_reason {
+            FinishReason::Error(e) => println!("error: {e}"),
+            _ => println!("{}", out.text.as_deref().unwrap_or_default()),
+        }
+        for lp in &out.logprobs {
+            let name = |id: u32| {
+                tokenizer
+                    .as_ref()
+                    .and_then(|t| t.decode(&[id], false).ok())
+                    .unwrap_or_else(|| id.to_string())
+            };
+            let top: Vec<String> = lp
+                .top
+                .iter()
+                .map(|&(id, l)| format!("{:?} {l:.3}", name(id)))
+                .collect();
+            println!(
+                "  {:?} {:.3}  [{}]",
+                name(lp.token_id),
+                lp.logprob,
+                top.join(", ")
+            );
+        }
+    }
+    let prompt_tokens: usize = outs.iter().map(|o| o.prompt_token_ids.len()).sum();
+    let generated: usize = outs.iter().map(|o| o.token_ids.len()).sum();
+    let stats = llm.engine().stats();
     eprintln!(
-        "{} prompt + {} generated tokens in {secs:.2} s ({:.1} tokens/s, finish: {:?})",
-        out.prompt_token_ids.len(),
-        out.token_ids.len(),
-        out.token_ids.len() as f64 / secs,
-        out.finish_reason
+        "{} requests, {prompt_tokens} prompt + {generated} generated tokens in {secs:.2} s \
+         ({:.1} generated tokens/s; {} steps, {} preemptions, {} prefix-cache hit tokens)",
+        outs.len(),
+        generated as f64 / secs,
+        stats.steps,
+        stats.preemptions,
+        stats.prefix_hit_tokens
     );
     Ok(())
 }
 
 fn logits(args: LogitsArgs) -> Result<()> {
-    let llm = load(&args.model)?;
     let text = std::fs::read_to_string(&args.ids)
         .with_context(|| format!("reading {}", args.ids.display()))?;
     let prompts: Vec<Vec<u32>> =
         serde_json::from_str(&text).context("ids file must be a JSON list of lists of ids")?;
-    let model = llm.model();
-    let device = llm.device();
+    if let Some(i) = prompts.iter().position(Vec::is_empty) {
+        bail!("prompt {i} is empty");
+    }
+    let longest = prompts.iter().map(Vec::len).max().unwrap_or(1);
+    let config = EngineConfig {
+        device: args.model.device,
+        dtype: args.model.dtype,
+        max_num_seqs: prompts.len().max(1),
+        max_num_batched_tokens: (longest * prompts.len()).max(prompts.len()).max(256),
+        max_model_len: Some(longest + args.greedy + 1),
+        ..EngineConfig::default()
+    };
+    let mut llm = load(&args.model, config)?;
+    llm.set_progress(false);
+    // Greedy continuations through the engine (prefill, then decode steps: graphs on CUDA).
+    let greedy: Vec<Prompt> = prompts.iter().cloned().map(Prompt::Tokens).collect();
+    let params = SamplingParams {
+        ignore_eos: true,
+        ..SamplingParams::greedy(args.greedy.max(1))
+    };
+    let continuations = llm.generate(&greedy, &params)?;
+    // Prompt logits at every position: one scoring forward per prompt.
+    let engine = llm.engine();
+    let (model, device) = (engine.model(), engine.device());
     let mut tensors: Vec<(String, safetensors::Dtype, Vec<usize>, Vec<u8>)> = Vec::new();
     for (i, ids) in prompts.iter().enumerate() {
-        if ids.is_empty() {
-            bail!("prompt {i} is empty");
-        }
         let block_size = 16;
-        let blocks = (ids.len() + args.greedy).div_ceil(block_size);
+        let blocks = ids.len().div_ceil(block_size);
         let table: Vec<u32> = (0..blocks as u32).collect();
         let mut cache = KvCache::new(&model.config, blocks, block_size, model.dtype(), device)?;
-        let meta =
-            AttentionMetadata::prefill(vec![ids.len()], vec![table.clone()], block_size, device)?;
+        let meta = AttentionMetadata::prefill(vec![ids.len()], vec![table], block_size, device)?;
         let logits = model.forward(
             model.input_ids(ids, device)?,
             &meta,
@@ -173,39 +367,27 @@ fn logits(args: LogitsArgs) -> Result<()> {
             .into_data()
             .try_into_vec_as::<f32>()
             .map_err(|e| anyhow::anyhow!("{e:?}"))?;
-        let mut next = argmax(&host[(l - 1) * v..]);
         tensors.push((
             format!("prompt.{i}.logits"),
             safetensors::Dtype::F32,
             vec![l, v],
-            f32_bytes(&host),
+            host.iter().flat_map(|x| x.to_le_bytes()).collect(),
         ));
-        let mut greedy = Vec::with_capacity(args.greedy);
-        let mut len = ids.len();
-        while greedy.len() < args.greedy {
-            greedy.push(next as i64);
-            len += 1;
-            let meta =
-                AttentionMetadata::decode(vec![len], vec![table.clone()], block_size, device)?;
-            let logits = model.forward(
-                model.input_ids(&[next], device)?,
-                &meta,
-                &mut cache,
-                LogitsRows::All,
-            );
-            next = argmax(
-                &logits
-                    .into_data()
-                    .try_into_vec_as::<f32>()
-                    .map_err(|e| anyhow::anyhow!("{e:?}"))?,
-            );
+        let out = &continuations[i];
+        if let FinishReason::Error(e) = &out.finish_reason {
+            bail!("prompt {i}: {e}");
         }
-        let bytes = greedy.iter().flat_map(|v| v.to_le_bytes()).collect();
+        let greedy: Vec<i64> = out
+            .token_ids
+            .iter()
+            .take(args.greedy)
+            .map(|&t| t as i64)
+            .collect();
         tensors.push((
             format!("prompt.{i}.greedy_ids"),
             safetensors::Dtype::I64,
             vec![greedy.len()],
-            bytes,
+            greedy.iter().flat_map(|v| v.to_le_bytes()).collect(),
         ));
         eprintln!("prompt {i}: {} tokens, {} greedy", ids.len(), greedy.len());
     }
@@ -220,18 +402,4 @@ fn logits(args: LogitsArgs) -> Result<()> {
         .collect::<Result<Vec<_>>>()?;
     safetensors::serialize_to_file(views, None, &args.out)?;
     Ok(())
-}
-
-fn argmax(row: &[f32]) -> u32 {
-    row.iter()
-        .enumerate()
-        .fold(
-            (0, f32::NEG_INFINITY),
-            |b, (i, &v)| if v > b.1 { (i, v) } else { b },
-        )
-        .0 as u32
-}
-
-fn f32_bytes(v: &[f32]) -> Vec<u8> {
-    v.iter().flat_map(|x| x.to_le_bytes()).collect()
 }

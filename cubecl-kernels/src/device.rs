@@ -45,6 +45,7 @@ impl DeviceKind {
             Self::Cpu => Ok(Device::flex()),
             #[cfg(feature = "cpu")]
             Self::CubeclCpu => {
+                crate::cpu_builtins::register();
                 probe(cubecl::Device::cpu())?;
                 Ok(Device::cpu())
             }

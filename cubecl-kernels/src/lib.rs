@@ -11,23 +11,32 @@
 //! | [`store_kv`] | `k, v [T, kv_heads, d]` into the paged cache at `slot_mapping` |
 //! | [`rope_store_kv`] | `qkv [T, (heads + 2·kv_heads)·d]`: q/k norm + RoPE, k/v into the cache → `q [T, heads, d]` |
 //! | [`paged_attention`] | `q [T, heads, d]` over each sequence's cached context → `[T, heads, d]` |
+//! | [`sample`] | `logits [B, V]` (f32) → next tokens `[B]` (greedy, or seeded min-p/top-k/top-p draws) |
+//! | [`write_ints`] | host `i32` values into an existing device buffer, in place (graph inputs) |
 
 pub mod attention;
+#[cfg(feature = "cpu")]
+mod cpu_builtins;
 mod device;
 mod device_caps;
 mod error;
+mod host_write;
 mod knobs;
 pub mod ops;
 pub mod rms_norm_linear;
+pub mod sampling;
 
 pub use attention::{
-    AttentionMetadata, LayerKvCache, QkNorm, Rope, paged_attention, rope_store_kv, store_kv,
+    AttentionMetadata, DecodeTensors, LayerKvCache, MetadataTensors, PrefillTensors, QkNorm, Rope,
+    paged_attention, rope_store_kv, store_kv,
 };
 pub use device::DeviceKind;
 pub use error::KernelError;
+pub use host_write::write_ints;
 pub use rms_norm_linear::{
     FusedRmsNormLinear, add_rms_norm_linear, check_args, linear, rms_norm, rms_norm_linear,
 };
+pub use sampling::{SamplingRow, sample};
 
 use burn::backend::DispatchDevice;
 use burn::tensor::Tensor;

@@ -11,21 +11,34 @@ use burn::backend::{
 use burn::tensor::Shape;
 use burn_cubecl::CubeBackend;
 
-use crate::attention::{QkvLayout, decode, prefill, store_kv};
+use crate::attention::{QkvLayout, TileCache, decode, prefill, store_kv};
+use crate::host_write;
 use crate::rms_norm_linear::launch as linear_launch;
+use crate::sampling;
 
-/// Host-side facts the attention kernels are launched from (from [`crate::AttentionMetadata`]).
+/// Host-side facts the decode kernel is launched from (from [`crate::AttentionMetadata`]).
 #[derive(Clone, Debug)]
-pub struct AttentionPlan {
-    /// New tokens per sequence.
-    pub query_lens: Arc<Vec<usize>>,
-    /// Longest context in the batch.
-    pub max_context: usize,
-    /// One new token per sequence: use the decode kernel.
-    pub decode: bool,
+pub struct DecodePlan {
+    /// Longest context the launch geometry covers (the context split depends on it).
+    pub context_bound: usize,
     /// Softmax scale.
     pub scale: f32,
 }
+
+/// Host-side facts the prefill kernel is launched from (from [`crate::AttentionMetadata`]).
+#[derive(Clone, Debug)]
+pub struct PrefillPlan {
+    /// New tokens per (prefill) sequence: they define the query tiles.
+    pub query_lens: Arc<Vec<usize>>,
+    /// The step's tile list, built by the first launch.
+    pub tiles: Arc<TileCache>,
+    /// Softmax scale.
+    pub scale: f32,
+}
+
+/// Host values to write into a device buffer in place (see [`crate::write_ints`]).
+#[derive(Clone, Debug)]
+pub struct HostInts(pub Arc<Vec<i32>>);
 
 /// Our fused ops as a Burn backend extension. Call them through the functions of this crate
 /// (which check arguments and fall back to plain Burn off CubeCL devices), not directly.
@@ -65,17 +78,46 @@ pub trait KernelOps: Backend {
         eps: f32,
     ) -> (FloatTensor<Self>, FloatTensor<Self>, FloatTensor<Self>);
 
-    /// Paged attention of `q [T, heads, D]` over the caches → `[T, heads, D]`.
-    #[fusion(meta = paged_attention_meta)]
-    fn paged_attention(
+    /// Decode attention of `q [B, heads, D]` (one token per sequence) over the caches →
+    /// `[B, heads, D]`.
+    #[fusion(meta = paged_decode_meta)]
+    fn paged_decode(
+        q: FloatTensor<Self>,
+        k_cache: FloatTensor<Self>,
+        v_cache: FloatTensor<Self>,
+        block_tables: IntTensor<Self>,
+        context_lens: IntTensor<Self>,
+        plan: DecodePlan,
+    ) -> FloatTensor<Self>;
+
+    /// Prefill attention of `q [T, heads, D]` (sequences' runs at `cu_seqlens_q`) over the
+    /// caches → `[T, heads, D]`.
+    #[fusion(meta = paged_prefill_meta)]
+    fn paged_prefill(
         q: FloatTensor<Self>,
         k_cache: FloatTensor<Self>,
         v_cache: FloatTensor<Self>,
         block_tables: IntTensor<Self>,
         context_lens: IntTensor<Self>,
         cu_seqlens_q: IntTensor<Self>,
-        plan: AttentionPlan,
+        plan: PrefillPlan,
     ) -> FloatTensor<Self>;
+
+    /// Writes `values` into `dst` (`[n]` i32, contiguous) in place and returns it: the buffer
+    /// keeps its address, so a captured graph that reads it sees the new values.
+    #[fusion(meta = write_ints_meta)]
+    fn write_ints(dst: IntTensor<Self>, values: HostInts) -> IntTensor<Self>;
+
+    /// One token per row of `logits [B, V]` (f32): greedy where `params_f[r, 0] ≤ 0`, else a
+    /// seeded draw after min-p, top-k and top-p filtering (see [`crate::sampling`]).
+    /// `params_f [B, 4]` f32 = (temperature, top_p, min_p, 0); `params_u [B, 4]` u32 =
+    /// (top_k, seed_lo, seed_hi, counter). Returns `[B]` i32.
+    #[fusion(meta = sample_meta)]
+    fn sample(
+        logits: FloatTensor<Self>,
+        params_f: FloatTensor<Self>,
+        params_u: IntTensor<Self>,
+    ) -> IntTensor<Self>;
 }
 
 #[allow(clippy::too_many_arguments)]
@@ -101,16 +143,35 @@ fn rope_store_kv_meta(
     (q_out, k_cache.clone(), v_cache.clone())
 }
 
-fn paged_attention_meta(
+fn paged_decode_meta(
+    q: &TensorSpec,
+    _k_cache: &TensorSpec,
+    _v_cache: &TensorSpec,
+    _block_tables: &TensorSpec,
+    _context_lens: &TensorSpec,
+    _plan: &DecodePlan,
+) -> TensorSpec {
+    q.clone()
+}
+
+fn paged_prefill_meta(
     q: &TensorSpec,
     _k_cache: &TensorSpec,
     _v_cache: &TensorSpec,
     _block_tables: &TensorSpec,
     _context_lens: &TensorSpec,
     _cu_seqlens_q: &TensorSpec,
-    _plan: &AttentionPlan,
+    _plan: &PrefillPlan,
 ) -> TensorSpec {
     q.clone()
+}
+
+fn write_ints_meta(dst: &TensorSpec, _values: &HostInts) -> TensorSpec {
+    dst.clone()
+}
+
+fn sample_meta(logits: &TensorSpec, _params_f: &TensorSpec, _params_u: &TensorSpec) -> TensorSpec {
+    TensorSpec::new(Shape::new([logits.shape[0]]), burn::tensor::DType::I32)
 }
 
 /// Which optional operands of [`KernelOps::fused_linear`] are present.
@@ -179,36 +240,54 @@ impl KernelOps for CubeBackend {
         )
     }
 
-    fn paged_attention(
+    fn paged_decode(
+        q: FloatTensor<Self>,
+        k_cache: FloatTensor<Self>,
+        v_cache: FloatTensor<Self>,
+        block_tables: IntTensor<Self>,
+        context_lens: IntTensor<Self>,
+        plan: DecodePlan,
+    ) -> FloatTensor<Self> {
+        decode::paged_decode(
+            q,
+            k_cache,
+            v_cache,
+            block_tables,
+            context_lens,
+            plan.context_bound,
+            plan.scale,
+        )
+    }
+
+    fn paged_prefill(
         q: FloatTensor<Self>,
         k_cache: FloatTensor<Self>,
         v_cache: FloatTensor<Self>,
         block_tables: IntTensor<Self>,
         context_lens: IntTensor<Self>,
         cu_seqlens_q: IntTensor<Self>,
-        plan: AttentionPlan,
+        plan: PrefillPlan,
     ) -> FloatTensor<Self> {
-        if plan.decode {
-            decode::paged_decode(
-                q,
-                k_cache,
-                v_cache,
-                block_tables,
-                context_lens,
-                plan.max_context,
-                plan.scale,
-            )
-        } else {
-            prefill::paged_prefill(
-                q,
-                k_cache,
-                v_cache,
-                block_tables,
-                context_lens,
-                cu_seqlens_q,
-                plan.query_lens,
-                plan.scale,
-            )
-        }
+        prefill::paged_prefill(
+            q,
+            k_cache,
+            v_cache,
+            block_tables,
+            context_lens,
+            cu_seqlens_q,
+            plan,
+        )
+    }
+
+    fn write_ints(dst: IntTensor<Self>, values: HostInts) -> IntTensor<Self> {
+        host_write::write_cube(dst, &values.0)
+    }
+
+    fn sample(
+        logits: FloatTensor<Self>,
+        params_f: FloatTensor<Self>,
+        params_u: IntTensor<Self>,
+    ) -> IntTensor<Self> {
+        sampling::launch::sample(logits, params_f, params_u)
     }
 }

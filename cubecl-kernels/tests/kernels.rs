@@ -5,4 +5,5 @@ mod kernels {
     mod attention;
     pub mod common;
     mod linear;
+    mod sampling;
 }

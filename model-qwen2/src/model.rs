@@ -15,12 +15,15 @@ use crate::layers::{
 use crate::weights::Checkpoint;
 
 /// Which rows of the flattened batch get logits.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[derive(Clone, Debug)]
 pub enum LogitsRows {
-    /// Every token (`[num_tokens, V]`): scoring prompts, tests.
+    /// Every token (`[num_tokens, V]`): scoring prompts, tests, decode steps.
     All,
     /// The last token of each sequence (`[B, V]`): generation.
     LastPerSequence,
+    /// The given token rows (`[n]` i32 indices into the flattened batch → `[n, V]`): the rows
+    /// an engine step samples.
+    Rows(Box<Tensor<1, Int>>),
 }
 
 /// Qwen2-family decoder-only transformer with its LM head.
@@ -262,8 +265,9 @@ impl Qwen2Model {
 
     /// Runs the decoder over a flattened batch and returns f32 logits.
     ///
-    /// `input_ids [num_tokens]` → `[num_tokens, V]` ([`LogitsRows::All`]) or `[B, V]`
-    /// ([`LogitsRows::LastPerSequence`]). Writes the batch's keys and values into `cache`.
+    /// `input_ids [num_tokens]` → `[num_tokens, V]` ([`LogitsRows::All`]), `[B, V]`
+    /// ([`LogitsRows::LastPerSequence`]) or `[n, V]` ([`LogitsRows::Rows`]). Writes the batch's
+    /// keys and values into `cache`.
     pub fn forward(
         &self,
         input_ids: Tensor<1, Int>,
@@ -274,6 +278,7 @@ impl Qwen2Model {
         let (x, residual) = self.forward_hidden(input_ids, meta, cache);
         let (x, residual) = match rows {
             LogitsRows::All => (x, residual),
+            LogitsRows::LastPerSequence if meta.is_decode() => (x, residual),
             LogitsRows::LastPerSequence => {
                 let last: Vec<i32> = meta.cu_seqlens_q()[1..]
                     .iter()
@@ -286,6 +291,7 @@ impl Qwen2Model {
                 );
                 (x.select(0, idx.clone()), residual.select(0, idx))
             }
+            LogitsRows::Rows(idx) => (x.select(0, (*idx).clone()), residual.select(0, *idx)),
         };
         let (logits, _) = self.norm.forward_add_linear(x, residual, &self.lm_head);
         logits.cast(FloatDType::F32)

@@ -1,7 +1,15 @@
 //! The description of a flattened batch that every attention op reads: which tokens belong to
 //! which sequence, how many keys each sequence sees and where those keys live in the paged cache.
+//!
+//! A batch may mix decode rows (one new token) and prefill chunks (several): sequences
+//! `0..num_decodes` each have one new token and take the decode kernel; the others take the
+//! prefill kernel. Everything the kernels need per step (device copies, per-part tables, the
+//! bounds the launchers check) is built once here, not once per layer.
+
+use std::sync::{Arc, Mutex};
 
 use burn::tensor::{DType, Device, Int, Tensor, TensorData};
+use burn_cubecl::tensor::CubeTensor;
 
 use crate::KernelError;
 
@@ -13,8 +21,8 @@ use crate::KernelError;
 /// cache hit, an earlier chunk, or earlier decode steps). Token `i` of sequence `s` (logical
 /// position `p`) is stored in slot `block_tables[s][p / block_size] * block_size + p % block_size`.
 ///
-/// The host copies drive the reference path and the launch geometry; the device copies (`i32`)
-/// are what the kernels read.
+/// The host copies drive the reference path, the checks and the launch geometry; the device
+/// copies (`i32`) are what the kernels read.
 #[derive(Clone, Debug)]
 pub struct AttentionMetadata {
     /// New tokens per sequence, `[B]`.
@@ -30,6 +38,16 @@ pub struct AttentionMetadata {
     pub slot_mapping: Vec<i64>,
     /// Logical position of each new token, `[num_tokens]` (the RoPE position).
     pub positions: Vec<i64>,
+    /// Sequences `0..num_decodes` have one new token each and take the decode kernel.
+    pub num_decodes: usize,
+    /// Longest context the decode launch geometry must cover (at least the batch's longest).
+    /// A graph replayed at later steps is captured with `max_model_len` here, so that its
+    /// context split stays valid as the contexts grow.
+    pub context_bound: usize,
+    /// Largest block id of any table (checked against the cache once per layer, in O(1)).
+    pub max_block_id: Option<u32>,
+    /// Largest position (checked against the RoPE tables).
+    pub max_position: usize,
     /// Device copies of the above, `i32`.
     pub tensors: MetadataTensors,
 }
@@ -42,13 +60,39 @@ pub struct MetadataTensors {
     pub slot_mapping: Tensor<1, Int>,
     /// `[num_tokens]`.
     pub positions: Tensor<1, Int>,
-    /// Prefix sums of `query_lens`, `[B + 1]`.
-    pub cu_seqlens_q: Tensor<1, Int>,
-    /// `[B]`.
-    pub context_lens: Tensor<1, Int>,
-    /// `[B, max_blocks_per_seq]`, padded with 0.
-    pub block_tables: Tensor<2, Int>,
+    /// Sequences `0..num_decodes`, when there are any.
+    pub decode: Option<DecodeTensors>,
+    /// Sequences `num_decodes..B`, when there are any.
+    pub prefill: Option<PrefillTensors>,
 }
+
+/// The decode rows' tables: `block_tables [n, max_blocks]` (padded with 0), `context_lens [n]`.
+#[derive(Clone, Debug)]
+pub struct DecodeTensors {
+    /// `[n, max_blocks]`.
+    pub block_tables: Tensor<2, Int>,
+    /// `[n]`.
+    pub context_lens: Tensor<1, Int>,
+}
+
+/// The prefill rows' tables; `cu_seqlens_q` counts from the first prefill token.
+#[derive(Clone, Debug)]
+pub struct PrefillTensors {
+    /// `[n, max_blocks]`.
+    pub block_tables: Tensor<2, Int>,
+    /// `[n]`.
+    pub context_lens: Tensor<1, Int>,
+    /// Prefix sums of the prefill rows' query lengths, `[n + 1]`.
+    pub cu_seqlens_q: Tensor<1, Int>,
+    /// Host copy of the prefill rows' query lengths (they define the kernel's query tiles).
+    pub query_lens: Arc<Vec<usize>>,
+    /// The query-tile list, built by the first layer's launch and reused by the others.
+    pub tiles: Arc<TileCache>,
+}
+
+/// A per-step cache of the prefill kernel's tile list: `(rows per tile, tiles [n, 2] i32)`.
+#[derive(Debug, Default)]
+pub struct TileCache(pub(crate) Mutex<Option<(usize, CubeTensor)>>);
 
 impl AttentionMetadata {
     /// Builds the metadata of a batch, computing slots and positions from the block tables.
@@ -99,15 +143,26 @@ impl AttentionMetadata {
                 );
             }
         }
-        let tensors = MetadataTensors::new(
-            &query_lens,
-            &context_lens,
-            &block_tables,
-            &slot_mapping,
-            &positions,
-            device,
-        );
-        Ok(Self {
+        let num_decodes = query_lens.iter().take_while(|&&q| q == 1).count();
+        let max_blocks = block_tables.iter().map(Vec::len).max().unwrap_or(0).max(1);
+        let tensors = MetadataTensors {
+            slot_mapping: int_tensor(slot_mapping.iter().map(|&v| v as i32).collect(), device),
+            positions: int_tensor(positions.iter().map(|&v| v as i32).collect(), device),
+            decode: (num_decodes > 0).then(|| DecodeTensors {
+                block_tables: table_tensor(&block_tables[..num_decodes], max_blocks, device),
+                context_lens: usize_tensor(&context_lens[..num_decodes], device),
+            }),
+            prefill: (num_decodes < batch).then(|| {
+                PrefillTensors::new(
+                    &query_lens[num_decodes..],
+                    &context_lens[num_decodes..],
+                    &block_tables[num_decodes..],
+                    max_blocks,
+                    device,
+                )
+            }),
+        };
+        Ok(Self::from_parts(
             query_lens,
             context_lens,
             block_tables,
@@ -115,7 +170,38 @@ impl AttentionMetadata {
             slot_mapping,
             positions,
             tensors,
-        })
+        ))
+    }
+
+    /// Assembles metadata from host copies and device tensors that already hold the same
+    /// values (e.g. stable buffers a captured graph reads, refreshed in place); computes the
+    /// derived fields. The caller guarantees the two agree.
+    pub fn from_parts(
+        query_lens: Vec<usize>,
+        context_lens: Vec<usize>,
+        block_tables: Vec<Vec<u32>>,
+        block_size: usize,
+        slot_mapping: Vec<i64>,
+        positions: Vec<i64>,
+        tensors: MetadataTensors,
+    ) -> Self {
+        let num_decodes = query_lens.iter().take_while(|&&q| q == 1).count();
+        let context_bound = context_lens.iter().copied().max().unwrap_or(0);
+        let max_block_id = block_tables.iter().flatten().copied().max();
+        let max_position = positions.iter().copied().max().unwrap_or(0).max(0) as usize;
+        Self {
+            query_lens,
+            context_lens,
+            block_tables,
+            block_size,
+            slot_mapping,
+            positions,
+            num_decodes,
+            context_bound,
+            max_block_id,
+            max_position,
+            tensors,
+        }
     }
 
     /// A prefill batch with no cached prefix: each prompt's tokens are all new.
@@ -150,6 +236,13 @@ impl AttentionMetadata {
         )
     }
 
+    /// The same batch with the decode geometry sized for contexts up to `bound` (never below
+    /// the batch's longest context).
+    pub fn with_context_bound(mut self, bound: usize) -> Self {
+        self.context_bound = self.context_bound.max(bound);
+        self
+    }
+
     /// Number of sequences `B`.
     pub fn num_seqs(&self) -> usize {
         self.query_lens.len()
@@ -162,7 +255,7 @@ impl AttentionMetadata {
 
     /// True when every sequence contributes exactly one token (a decode step).
     pub fn is_decode(&self) -> bool {
-        self.query_lens.iter().all(|&q| q == 1)
+        self.num_decodes == self.num_seqs()
     }
 
     /// Longest context in the batch.
@@ -190,38 +283,44 @@ impl AttentionMetadata {
     }
 }
 
-impl MetadataTensors {
+impl PrefillTensors {
     fn new(
         query_lens: &[usize],
         context_lens: &[usize],
         block_tables: &[Vec<u32>],
-        slot_mapping: &[i64],
-        positions: &[i64],
+        max_blocks: usize,
         device: &Device,
     ) -> Self {
-        let max_blocks = block_tables.iter().map(Vec::len).max().unwrap_or(0).max(1);
-        let mut tables = vec![0i32; block_tables.len() * max_blocks];
-        for (row, table) in block_tables.iter().enumerate() {
-            for (j, &b) in table.iter().enumerate() {
-                tables[row * max_blocks + j] = b as i32;
-            }
-        }
         let cu: Vec<i32> = prefix_sums(query_lens)
             .into_iter()
             .map(|v| v as i32)
             .collect();
-        let ctx: Vec<i32> = context_lens.iter().map(|&v| v as i32).collect();
         Self {
-            slot_mapping: int_tensor(slot_mapping.iter().map(|&v| v as i32).collect(), device),
-            positions: int_tensor(positions.iter().map(|&v| v as i32).collect(), device),
+            block_tables: table_tensor(block_tables, max_blocks, device),
+            context_lens: usize_tensor(context_lens, device),
             cu_seqlens_q: int_tensor(cu, device),
-            context_lens: int_tensor(ctx, device),
-            block_tables: Tensor::from_data(
-                TensorData::new(tables, [block_tables.len(), max_blocks]),
-                (device, DType::I32),
-            ),
+            query_lens: Arc::new(query_lens.to_vec()),
+            tiles: Arc::new(TileCache::default()),
         }
     }
+}
+
+/// Block tables as one `[rows, width]` i32 tensor, padded with 0.
+fn table_tensor(tables: &[Vec<u32>], width: usize, device: &Device) -> Tensor<2, Int> {
+    let mut flat = vec![0i32; tables.len() * width];
+    for (row, table) in tables.iter().enumerate() {
+        for (j, &b) in table.iter().enumerate() {
+            flat[row * width + j] = b as i32;
+        }
+    }
+    Tensor::from_data(
+        TensorData::new(flat, [tables.len(), width]),
+        (device, DType::I32),
+    )
+}
+
+fn usize_tensor(values: &[usize], device: &Device) -> Tensor<1, Int> {
+    int_tensor(values.iter().map(|&v| v as i32).collect(), device)
 }
 
 fn int_tensor(values: Vec<i32>, device: &Device) -> Tensor<1, Int> {

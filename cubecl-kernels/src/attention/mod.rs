@@ -18,12 +18,12 @@ use burn_cubecl::{kernel::into_contiguous, ops::numeric::empty_device_dtype, ten
 use cubecl::prelude::AddressType;
 
 pub use kv_cache::LayerKvCache;
-pub use metadata::{AttentionMetadata, MetadataTensors};
+pub use metadata::{AttentionMetadata, DecodeTensors, MetadataTensors, PrefillTensors, TileCache};
 pub use store_kv::QkvLayout;
 
 use crate::KernelError;
 use crate::device_caps::DeviceCaps;
-use crate::ops::{AttentionPlan, KernelOps};
+use crate::ops::{DecodePlan, KernelOps, PrefillPlan};
 
 /// Rotary tables: `cos`, `sin` `[max_positions, head_dim / 2]`, f32.
 #[derive(Clone, Copy, Debug)]
@@ -95,13 +95,11 @@ pub fn rope_store_kv(
                 meta.num_tokens()
             )));
         }
-        if rope.cos.dims()[1] != d / 2
-            || rope.cos.dims()[0] <= meta.positions.iter().copied().max().unwrap_or(0) as usize
-        {
+        if rope.cos.dims()[1] != d / 2 || rope.cos.dims()[0] <= meta.max_position {
             return Err(KernelError::invalid(format!(
                 "RoPE tables of shape {:?} do not cover head_dim {d} and position {}",
                 rope.cos.dims(),
-                meta.positions.iter().max().unwrap_or(&0)
+                meta.max_position
             )));
         }
         Ok(())
@@ -178,9 +176,9 @@ fn launch_store(
 }
 
 /// Causal attention of each sequence's new tokens over its cached context (the new keys
-/// included: store them first), with grouped-query heads and softmax scale `scale`. Decode
-/// batches (one token per sequence) take the split-context decode kernel, others the prefill
-/// kernel.
+/// included: store them first), with grouped-query heads and softmax scale `scale`. The decode
+/// rows (`0..meta.num_decodes`, one token each) take the split-context decode kernel, the others
+/// the prefill kernel; a mixed batch runs both and joins their rows.
 ///
 /// `q`: `[num_tokens, num_heads, head_dim]` → `[num_tokens, num_heads, head_dim]`.
 pub fn paged_attention(
@@ -210,22 +208,56 @@ pub fn paged_attention(
     if !crate::runs_kernels(&q) {
         return reference::paged_attention(q, cache, meta, scale);
     }
-    let plan = AttentionPlan {
-        query_lens: std::sync::Arc::new(meta.query_lens.clone()),
-        max_context: meta.max_context_len(),
-        decode: meta.is_decode(),
-        scale,
+    let nd = meta.num_decodes;
+    let decode = |q: Tensor<3>| {
+        let part = meta
+            .tensors
+            .decode
+            .as_ref()
+            .expect("decode rows have tables");
+        let plan = DecodePlan {
+            context_bound: meta.context_bound,
+            scale,
+        };
+        Tensor::<3>::from_dispatch(Dispatch::paged_decode(
+            q.into_dispatch(),
+            cache.k.clone().into_dispatch(),
+            cache.v.clone().into_dispatch(),
+            part.block_tables.clone().into_dispatch(),
+            part.context_lens.clone().into_dispatch(),
+            plan,
+        ))
     };
-    let t = &meta.tensors;
-    Tensor::from_dispatch(Dispatch::paged_attention(
-        q.into_dispatch(),
-        cache.k.clone().into_dispatch(),
-        cache.v.clone().into_dispatch(),
-        t.block_tables.clone().into_dispatch(),
-        t.context_lens.clone().into_dispatch(),
-        t.cu_seqlens_q.clone().into_dispatch(),
-        plan,
-    ))
+    let prefill = |q: Tensor<3>| {
+        let part = meta
+            .tensors
+            .prefill
+            .as_ref()
+            .expect("prefill rows have tables");
+        let plan = PrefillPlan {
+            query_lens: part.query_lens.clone(),
+            tiles: part.tiles.clone(),
+            scale,
+        };
+        Tensor::<3>::from_dispatch(Dispatch::paged_prefill(
+            q.into_dispatch(),
+            cache.k.clone().into_dispatch(),
+            cache.v.clone().into_dispatch(),
+            part.block_tables.clone().into_dispatch(),
+            part.context_lens.clone().into_dispatch(),
+            part.cu_seqlens_q.clone().into_dispatch(),
+            plan,
+        ))
+    };
+    if nd == meta.num_seqs() {
+        decode(q)
+    } else if nd == 0 {
+        prefill(q)
+    } else {
+        let decoded = decode(q.clone().slice_dim(0, 0..nd));
+        let prefilled = prefill(q.slice_dim(0, nd..t));
+        Tensor::cat(vec![decoded, prefilled], 0)
+    }
 }
 
 /// The cache must match the heads and dtype of the tensors written into it, and every block id
@@ -255,12 +287,7 @@ fn check_cache(
             meta.block_size
         )));
     }
-    if let Some(b) = meta
-        .block_tables
-        .iter()
-        .flatten()
-        .find(|&&b| b as usize >= nb)
-    {
+    if let Some(b) = meta.max_block_id.filter(|&b| b as usize >= nb) {
         return Err(KernelError::invalid(format!(
             "block id {b} is outside the cache's {nb} blocks"
         )));

@@ -28,7 +28,7 @@
 //! Lanes walk their half rows in a rotated order so that a plane's accesses hit distinct banks. Shared memory per cube:
 //! see `CmmaPrefillConfig::shared_bytes`; the launcher picks the tile from the device's limit.
 
-use std::sync::{Arc, OnceLock};
+use std::sync::OnceLock;
 
 use burn::backend::cubecl::dtype_to_storage_type;
 use burn::tensor::DType;
@@ -37,6 +37,7 @@ use cubecl::prelude::{CubeCount, CubeDim};
 
 use super::prefill_mma::{MmaPrefillConfig, paged_prefill_mma};
 use crate::device_caps::DeviceCaps;
+use crate::ops::PrefillPlan;
 
 pub(crate) mod kernel {
     use cubecl::prelude::*;
@@ -578,9 +579,9 @@ fn mma_override() -> Option<(usize, usize, usize)> {
         .map(|[h, r, k]| (h, r, k))
 }
 
-/// Host side of prefill attention. `q [T, heads, D]`; `query_lens` are the host copies of each
-/// sequence's new-token count (they define the tiles). Returns `[T, heads, D]`.
-#[allow(clippy::too_many_arguments)]
+/// Host side of prefill attention. `q [T, heads, D]`; `plan.query_lens` are the host copies of
+/// each sequence's new-token count (they define the tiles, built once per step and cached in
+/// `plan.tiles`). Returns `[T, heads, D]`.
 pub(crate) fn paged_prefill(
     q: CubeTensor,
     k_cache: CubeTensor,
@@ -588,9 +589,9 @@ pub(crate) fn paged_prefill(
     block_tables: CubeTensor,
     context_lens: CubeTensor,
     cu_seqlens_q: CubeTensor,
-    query_lens: Arc<Vec<usize>>,
-    scale: f32,
+    plan: PrefillPlan,
 ) -> CubeTensor {
+    let scale = plan.scale;
     let caps = DeviceCaps::of(&q.client);
     let super::AttentionLaunch {
         q,
@@ -611,17 +612,27 @@ pub(crate) fn paged_prefill(
         (None, Some(cfg)) => cfg.block_q(),
         (None, None) => caps.cube_units.min(32),
     };
-    let mut tiles = Vec::new();
-    for (s, &len) in query_lens.iter().enumerate() {
-        for q0 in (0..len).step_by(block_q) {
-            tiles.extend([s as i32, q0 as i32]);
+    let tiles = {
+        let mut cached = plan.tiles.0.lock().expect("tile cache");
+        match &*cached {
+            Some((rows, tiles)) if *rows == block_q => tiles.clone(),
+            _ => {
+                let mut list = Vec::new();
+                for (s, &len) in plan.query_lens.iter().enumerate() {
+                    for q0 in (0..len).step_by(block_q) {
+                        list.extend([s as i32, q0 as i32]);
+                    }
+                }
+                let tiles = super::upload_i32(&q, &list, [list.len() / 2, 2]);
+                *cached = Some((block_q, tiles.clone()));
+                tiles
+            }
         }
-    }
-    let num_tiles = tiles.len() / 2;
+    };
+    let num_tiles = tiles.meta.shape()[0];
     if num_tiles == 0 {
         return out;
     }
-    let tiles = super::upload_i32(&q, &tiles, [num_tiles, 2]);
     // The tensor-core kernels take the same arguments; the function, grid, vector width and
     // config differ.
     macro_rules! launch {

@@ -5,13 +5,10 @@ use rand::{Rng, SeedableRng, rngs::StdRng};
 /// `cuda:N`, `cubecl-cpu`) to run the same tests on a GPU (plane and tensor-core paths).
 /// References run on the Flex backend.
 pub fn kernel_device() -> Device {
-    match std::env::var("KERNEL_TEST_DEVICE") {
-        Ok(name) => name
-            .parse::<cubecl_kernels::DeviceKind>()
-            .and_then(|k| k.device())
-            .expect("KERNEL_TEST_DEVICE"),
-        Err(_) => Device::cpu(),
-    }
+    let name = std::env::var("KERNEL_TEST_DEVICE").unwrap_or_else(|_| "cubecl-cpu".into());
+    name.parse::<cubecl_kernels::DeviceKind>()
+        .and_then(|k| k.device())
+        .expect("KERNEL_TEST_DEVICE")
 }
 
 pub fn reference_device() -> Device {

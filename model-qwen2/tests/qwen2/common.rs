@@ -74,11 +74,7 @@ impl Golden {
 }
 
 pub fn load_model(checkpoint: &str) -> Qwen2Model {
-    load_model_on(checkpoint, &device())
-}
-
-pub fn load_model_on(checkpoint: &str, device: &Device) -> Qwen2Model {
-    Qwen2Model::from_pretrained(fixture(checkpoint), DType::F32, device).unwrap()
+    Qwen2Model::from_pretrained(fixture(checkpoint), DType::F32, &device()).unwrap()
 }
 
 pub fn to_vec<const D: usize>(t: Tensor<D>) -> Vec<f32> {
@@ -170,36 +166,4 @@ pub fn step(
         s.cached = s.tokens.len();
     }
     to_vec(logits).chunks(v).map(<[f32]>::to_vec).collect()
-}
-
-/// Greedy generation of `n` tokens for several prompts in one batch (prefill together, then
-/// decode together), with the KV cache. Returns each sequence's per-step logits.
-pub fn greedy_batch(model: &Qwen2Model, prompts: &[Vec<u32>], n: usize) -> Vec<Vec<Vec<f32>>> {
-    let mut blocks = Blocks::new(64 * prompts.len());
-    let device = model.embed_tokens.val().device();
-    let mut cache = KvCache::new(
-        &model.config,
-        64 * prompts.len(),
-        BLOCK_SIZE,
-        DType::F32,
-        &device,
-    )
-    .unwrap();
-    let mut seqs: Vec<Seq> = prompts
-        .iter()
-        .map(|p| Seq {
-            tokens: p.clone(),
-            table: blocks.take((p.len() + n).div_ceil(BLOCK_SIZE)),
-            cached: 0,
-        })
-        .collect();
-    let mut out = vec![Vec::new(); prompts.len()];
-    for _ in 0..n {
-        let rows = step(model, &mut cache, &mut seqs, LogitsRows::LastPerSequence);
-        for (s, row) in rows.into_iter().enumerate() {
-            seqs[s].tokens.push(argmax(&row));
-            out[s].push(row);
-        }
-    }
-    out
 }

@@ -1,0 +1,143 @@
+//! Engine benchmarks: whole workloads through `LLM::generate` (the engine's step loop), over
+//! random weights of a real config.
+
+use std::time::Instant;
+
+use anyhow::{Result, bail};
+use burn::tensor::{DType, Device};
+use burn_nanovllm::{EngineConfig, LLM, LLMEngine, Prompt, SamplingParams};
+use model_qwen2::{Qwen2Config, Qwen2Model};
+use serde_json::json;
+
+use crate::report::Report;
+use crate::workload::{WorkItem, nano_bench};
+
+/// How the engine is set up for a run.
+pub struct EngineSetup<'a> {
+    /// Model name (for the report).
+    pub model: &'a str,
+    /// Its config (random weights).
+    pub config: &'a Qwen2Config,
+    /// Engine options.
+    pub engine: EngineConfig,
+}
+
+fn build(setup: &EngineSetup<'_>, device: &Device, dtype: DType) -> Result<LLM> {
+    let model = Qwen2Model::dummy(setup.config.clone(), dtype, device);
+    let engine = LLMEngine::with_model(model, None, device.clone(), setup.engine.clone())?;
+    let mut llm = LLM::from_engine(engine);
+    llm.set_progress(false);
+    Ok(llm)
+}
+
+/// nano-vLLM's `bench.py`: 256 random prompts of 100–1024 tokens, 100–1024 output tokens each,
+/// temperature 0.6, `ignore_eos`; after a short warm-up generation, one timed `generate`.
+pub fn nano(
+    setup: &EngineSetup<'_>,
+    num_seqs: usize,
+    device: &Device,
+    dtype: DType,
+) -> Result<Report> {
+    let start = Instant::now();
+    let mut llm = build(setup, device, dtype)?;
+    let load_s = start.elapsed().as_secs_f64();
+    let limits = llm.engine().limits().clone();
+    let mut work = nano_bench(num_seqs, 1024, 1024);
+    // Smoke runs use a smaller vocabulary than bench.py's ids (< 10001).
+    let vocab = setup.config.vocab_size as u32;
+    for w in &mut work {
+        w.prompt.iter_mut().for_each(|t| *t %= vocab);
+    }
+    // bench.py warms up with one short prompt.
+    llm.generate(
+        &[Prompt::Tokens(vec![33, 44, 55, 66])],
+        &SamplingParams::default(),
+    )?;
+    let before = llm.engine().stats();
+    let (wall, outs) = timed_generate(&mut llm, &work, 0.6)?;
+    let stats = llm.engine().stats();
+    if let Some((o, w)) = outs
+        .iter()
+        .zip(&work)
+        .find(|(o, w)| o.token_ids.len() != w.max_tokens)
+    {
+        bail!(
+            "a request generated {} tokens instead of {} ({:?})",
+            o.token_ids.len(),
+            w.max_tokens,
+            o.finish_reason
+        );
+    }
+    let prompt_tokens: usize = work.iter().map(|w| w.prompt.len()).sum();
+    let output_tokens: usize = work.iter().map(|w| w.max_tokens).sum();
+    let steps = stats.steps - before.steps;
+    let ms_per_step = |d: std::time::Duration| d.as_secs_f64() * 1e3 / steps.max(1) as f64;
+    let mut report = Report::new(
+        &format!("engine nano-vLLM bench.py {} {dtype:?}", setup.model),
+        &[
+            "model",
+            "graphs",
+            "num_seqs",
+            "prompt_tokens",
+            "output_tokens",
+            "wall_s",
+            "output_tok_s",
+            "total_tok_s",
+            "req_s",
+            "steps",
+            "graph_steps",
+            "preemptions",
+            "prefill_s",
+            "decode_s",
+            "host_ms_per_step",
+            "prepare_ms_per_step",
+            "kv_blocks",
+            "load_s",
+        ],
+    );
+    report.row(vec![
+        json!(setup.model),
+        json!(!limits.graph_sizes.is_empty()),
+        json!(num_seqs),
+        json!(prompt_tokens),
+        json!(output_tokens),
+        json!(wall),
+        json!(output_tokens as f64 / wall),
+        json!((prompt_tokens + output_tokens) as f64 / wall),
+        json!(num_seqs as f64 / wall),
+        json!(steps),
+        json!(stats.graph_steps - before.graph_steps),
+        json!(stats.preemptions - before.preemptions),
+        json!((stats.prefill_time - before.prefill_time).as_secs_f64()),
+        json!((stats.decode_time - before.decode_time).as_secs_f64()),
+        json!(ms_per_step(stats.host_time - before.host_time)),
+        json!(ms_per_step(stats.prepare_time - before.prepare_time)),
+        json!(limits.num_kv_blocks),
+        json!(load_s),
+    ]);
+    Ok(report)
+}
+
+/// One timed `generate` of a workload at `temperature` with `ignore_eos`.
+fn timed_generate(
+    llm: &mut LLM,
+    work: &[WorkItem],
+    temperature: f32,
+) -> Result<(f64, Vec<burn_nanovllm::Completion>)> {
+    let prompts: Vec<Prompt> = work
+        .iter()
+        .map(|w| Prompt::Tokens(w.prompt.clone()))
+        .collect();
+    let params: Vec<SamplingParams> = work
+        .iter()
+        .map(|w| SamplingParams {
+            temperature,
+            ignore_eos: true,
+            max_tokens: w.max_tokens,
+            ..SamplingParams::default()
+        })
+        .collect();
+    let start = Instant::now();
+    let outs = llm.generate(&prompts, &params)?;
+    Ok((start.elapsed().as_secs_f64(), outs))
+}

@@ -1,0 +1,330 @@
+//! Device code of the sampler (no host code here: see `launch.rs`).
+//!
+//! Launch geometry: one cube per row of `logits [B, V]` (f32, unit inner stride, any row
+//! pitch); `units` units stride over the vocabulary, so every pass over a row is coalesced.
+//! Per row:
+//! - greedy (`temperature ≤ 0`): one pass, the argmax (lowest id among equal maxima);
+//! - otherwise a Gumbel-max draw, `argmax_i (x_i / T + g_i)` over the kept tokens, with
+//!   `g_i = −ln(−ln u_i)` and `u_i` a counter-based hash of (seed, counter, i): one pass when no
+//!   filter is set. The draw depends only on the row's own seed and counter, never on the batch.
+//! - filters, each on what the previous kept, as a threshold on the logit: min-p
+//!   (`x ≥ max + T·ln(min_p)`, one max pass), top-k (the k-th largest key), top-p (the largest
+//!   key whose upper set holds `top_p` of the kept probability mass). Top-k and top-p find their
+//!   threshold by radix selection over the order-preserving u32 key of each logit: four passes
+//!   of 8-bit digits with a 256-bin histogram in shared memory (counts, or masses in 2⁻³²
+//!   fixed point, so the sums do not depend on the order of the atomic adds).
+//!
+//! Shared memory: 256 u64 bins, `2·units` reduction slots, a few words of state.
+
+use cubecl::prelude::*;
+
+/// Comptime part of the launch.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub struct SampleConfig {
+    /// Units per cube (a power of two).
+    pub units: usize,
+    /// Reduce through plane operations (else shared memory only).
+    pub use_plane: bool,
+}
+
+/// Histogram bins of one radix digit.
+const BINS: usize = 256;
+
+/// A 32-bit integer hash with full avalanche (Wellons' `lowbias32`); identical on the host
+/// (`super::reference::mix32`).
+#[cube]
+pub fn mix32(x: u32) -> u32 {
+    let mut h = x ^ (x >> 16u32);
+    h *= 0x7feb_352du32;
+    h ^= h >> 15u32;
+    h *= 0x846c_a68bu32;
+    h ^ (h >> 16u32)
+}
+
+/// Order-preserving key of a float: `a < b ⇔ key(a) < key(b)` for non-NaN values.
+#[cube]
+pub fn order_key(x: f32) -> u32 {
+    let b = u32::reinterpret(x);
+    select(b >= 0x8000_0000u32, b ^ 0xffff_ffffu32, b | 0x8000_0000u32)
+}
+
+/// A uniform draw in (0, 1) for vocabulary entry `i` of a row keyed `row_key`.
+#[cube]
+pub fn uniform(row_key: u32, i: u32) -> f32 {
+    let h = mix32(row_key ^ mix32(i));
+    (f32::cast_from(h >> 8u32) + 0.5) * 5.960_464_5e-8f32
+}
+
+/// Largest of `value` over the cube, returned to every unit (`scratch`: one slot per unit).
+#[cube]
+fn cube_max(value: f32, scratch: &mut Shared<[f32]>, #[comptime] use_plane: bool) -> f32 {
+    let parts = if comptime!(use_plane) {
+        CUBE_DIM_X / PLANE_DIM
+    } else {
+        CUBE_DIM_X
+    };
+    if comptime!(use_plane) {
+        let m = plane_max(value);
+        if UNIT_POS_PLANE == 0 {
+            scratch[PLANE_POS as usize] = m;
+        }
+    } else {
+        scratch[UNIT_POS_X as usize] = value;
+    }
+    sync_cube();
+    let mut best = scratch[0];
+    for p in 1..parts {
+        best = max(best, scratch[p as usize]);
+    }
+    sync_cube();
+    best
+}
+
+/// Index of the largest `value` over the cube (lowest index among equals), to every unit.
+#[cube]
+fn cube_argmax(
+    value: f32,
+    index: u32,
+    scratch_v: &mut Shared<[f32]>,
+    scratch_i: &mut Shared<[u32]>,
+    #[comptime] use_plane: bool,
+) -> u32 {
+    let parts = if comptime!(use_plane) {
+        CUBE_DIM_X / PLANE_DIM
+    } else {
+        CUBE_DIM_X
+    };
+    if comptime!(use_plane) {
+        let m = plane_max(value);
+        let i = plane_min(select(value == m, index, u32::MAX));
+        if UNIT_POS_PLANE == 0 {
+            scratch_v[PLANE_POS as usize] = m;
+            scratch_i[PLANE_POS as usize] = i;
+        }
+    } else {
+        scratch_v[UNIT_POS_X as usize] = value;
+        scratch_i[UNIT_POS_X as usize] = index;
+    }
+    sync_cube();
+    let mut best_v = scratch_v[0];
+    let mut best_i = scratch_i[0];
+    for p in 1..parts {
+        let v = scratch_v[p as usize];
+        let i = scratch_i[p as usize];
+        if v > best_v || (v == best_v && i < best_i) {
+            best_v = v;
+            best_i = i;
+        }
+    }
+    sync_cube();
+    best_i
+}
+
+/// The largest key `K ≥ floor` whose upper set `{keys ≥ K} ∩ {keys ≥ floor}` holds at least
+/// `need` of the row's weight (a count, or with `by_mass` the 2⁻³²-fixed-point mass
+/// `exp((x − m)·inv_t)`; then `need` is the fraction `top_p` of the kept mass). Returns `floor`
+/// when the kept tokens hold less than `need`.
+#[cube]
+#[allow(clippy::too_many_arguments)]
+fn radix_select(
+    logits: &Tensor<f32>,
+    base: usize,
+    vocab: usize,
+    floor: u32,
+    need_count: u64,
+    top_p: f32,
+    by_mass: bool,
+    m: f32,
+    inv_t: f32,
+    hist: &Shared<[Atomic<u64>]>,
+    state: &mut Shared<[u32]>,
+    need_s: &mut Shared<[u64]>,
+    #[comptime] units: usize,
+) -> u32 {
+    let tid = UNIT_POS_X as usize;
+    if tid == 0 {
+        state[0] = 0u32; // prefix of the key so far
+        state[1] = 0u32; // mask of the fixed bits
+        state[2] = 0u32; // 1 once the threshold is known not to bind
+        need_s[0] = need_count;
+    }
+    sync_cube();
+    #[unroll]
+    for pass in 0..4u32 {
+        let shift = 24u32 - 8u32 * pass;
+        let mut b = tid;
+        while b < BINS {
+            hist[b].store(0u64);
+            b += units;
+        }
+        sync_cube();
+        let prefix = state[0];
+        let mask = state[1];
+        let skip = state[2];
+        if skip == 0 {
+            let mut i = tid;
+            while i < vocab {
+                let x = logits[base + i];
+                let key = order_key(x);
+                if key >= floor && (key & mask) == prefix {
+                    let weight = if by_mass {
+                        u64::cast_from(f32::exp((x - m) * inv_t) * 4_294_967_296.0)
+                    } else {
+                        1u64
+                    };
+                    hist[((key >> shift) & 255u32) as usize].fetch_add(weight);
+                }
+                i += units;
+            }
+        }
+        sync_cube();
+        if tid == 0 && skip == 0 {
+            let mut need = need_s[0];
+            if pass == 0 && by_mass {
+                let mut total = 0u64;
+                for d in 0..BINS {
+                    total += hist[d].load();
+                }
+                need = max(u64::cast_from(f32::cast_from(total) * top_p), 1u64);
+            }
+            let mut acc = 0u64;
+            let mut chosen = 0u32;
+            let mut found = false;
+            for step in 0..BINS {
+                let d = BINS - 1 - step;
+                let c = hist[d].load();
+                if !found {
+                    if acc + c >= need {
+                        chosen = d as u32;
+                        found = true;
+                    } else {
+                        acc += c;
+                    }
+                }
+            }
+            if found {
+                need_s[0] = need - acc;
+                state[0] = prefix | (chosen << shift);
+                state[1] = mask | (255u32 << shift);
+            } else {
+                state[2] = 1u32;
+            }
+        }
+        sync_cube();
+    }
+    let key = select(state[2] == 1u32, floor, state[0]);
+    sync_cube();
+    max(key, floor)
+}
+
+/// See the module documentation. `params_f [B, 4]` = (temperature, top_p, min_p, −),
+/// `params_u [B, 4]` = (top_k, seed_lo, seed_hi, counter); `tokens [B]`.
+#[cube(launch_unchecked)]
+pub fn sample_rows(
+    logits: &Tensor<f32>,
+    params_f: &Tensor<f32>,
+    params_u: &Tensor<u32>,
+    tokens: &mut Tensor<i32>,
+    #[comptime] cfg: SampleConfig,
+) {
+    let row = CUBE_POS_X as usize;
+    let tid = UNIT_POS_X as usize;
+    let units = cfg.units;
+    let vocab = logits.shape(1);
+    let base = row * logits.stride(0);
+    let pf = row * params_f.stride(0);
+    let pu = row * params_u.stride(0);
+    let temperature = params_f[pf];
+    let mut scratch_v = Shared::<[f32]>::new_slice(units);
+    let mut scratch_i = Shared::<[u32]>::new_slice(units);
+    let hist = Shared::<[Atomic<u64>]>::new_slice(BINS);
+    let mut state = Shared::<[u32]>::new_slice(4usize);
+    let mut need_s = Shared::<[u64]>::new_slice(1usize);
+
+    let mut best = f32::new(f32::NEG_INFINITY);
+    let mut best_i = 0xffff_ffffu32;
+    if temperature <= 0.0 {
+        let mut i = tid;
+        while i < vocab {
+            let x = logits[base + i];
+            if x > best {
+                best = x;
+                best_i = i as u32;
+            }
+            i += units;
+        }
+    } else {
+        let inv_t = 1.0 / temperature;
+        let top_p = params_f[pf + 1];
+        let min_p = params_f[pf + 2];
+        let top_k = params_u[pu];
+        let row_key = mix32(
+            params_u[pu + 1] ^ mix32(params_u[pu + 2] ^ mix32(params_u[pu + 3] ^ 0x9e37_79b9u32)),
+        );
+        let topk_binds = top_k > 0 && (top_k as usize) < vocab;
+        let mut floor = 0u32;
+        if top_p < 1.0 || min_p > 0.0 || topk_binds {
+            let mut local = f32::new(f32::NEG_INFINITY);
+            let mut i = tid;
+            while i < vocab {
+                local = max(local, logits[base + i]);
+                i += units;
+            }
+            let m = cube_max(local, &mut scratch_v, cfg.use_plane);
+            if min_p > 0.0 {
+                floor = order_key(m + temperature * f32::ln(min_p));
+            }
+            if topk_binds {
+                floor = radix_select(
+                    logits,
+                    base,
+                    vocab,
+                    floor,
+                    u64::cast_from(top_k),
+                    1.0,
+                    false,
+                    m,
+                    inv_t,
+                    &hist,
+                    &mut state,
+                    &mut need_s,
+                    units,
+                );
+            }
+            if top_p < 1.0 {
+                floor = radix_select(
+                    logits,
+                    base,
+                    vocab,
+                    floor,
+                    1u64,
+                    top_p,
+                    true,
+                    m,
+                    inv_t,
+                    &hist,
+                    &mut state,
+                    &mut need_s,
+                    units,
+                );
+            }
+        }
+        let mut i = tid;
+        while i < vocab {
+            let x = logits[base + i];
+            if order_key(x) >= floor {
+                let u = uniform(row_key, i as u32);
+                let score = x * inv_t - f32::ln(-f32::ln(u));
+                if score > best {
+                    best = score;
+                    best_i = i as u32;
+                }
+            }
+            i += units;
+        }
+    }
+    let token = cube_argmax(best, best_i, &mut scratch_v, &mut scratch_i, cfg.use_plane);
+    if tid == 0 {
+        tokens[row] = token as i32;
+    }
+}

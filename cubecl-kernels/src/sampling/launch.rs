@@ -1,0 +1,70 @@
+//! Host side of the sampler: argument checks, output allocation and launch geometry.
+
+use burn::tensor::{DType, Shape};
+use burn_cubecl::{ops::numeric::empty_device_dtype, tensor::CubeTensor};
+use cubecl::prelude::{CubeCount, CubeDim};
+
+use super::kernel::{SampleConfig, sample_rows};
+use crate::device_caps::DeviceCaps;
+
+/// Most units per cube: enough to keep a row's passes coalesced and in flight.
+const MAX_UNITS: usize = 256;
+
+/// Launches [`sample_rows`]: `logits [B, V]` f32, `params_f [B, 4]` f32, `params_u [B, 4]`
+/// u32 → `tokens [B]` i32.
+pub(crate) fn sample(logits: CubeTensor, params_f: CubeTensor, params_u: CubeTensor) -> CubeTensor {
+    let logits = crate::unit_inner_stride(logits);
+    let (params_f, params_u) = (
+        crate::unit_inner_stride(params_f),
+        crate::unit_inner_stride(params_u),
+    );
+    let [b, _] = [0, 1].map(|i| logits.meta.shape()[i]);
+    assert!(
+        logits.dtype == DType::F32 && params_f.dtype == DType::F32 && params_u.dtype == DType::U32,
+        "sample: logits and params_f must be f32, params_u u32 (got {:?}, {:?}, {:?})",
+        logits.dtype,
+        params_f.dtype,
+        params_u.dtype
+    );
+    assert!(
+        params_f.meta.shape()[0] == b && params_u.meta.shape()[0] == b,
+        "sample: {b} rows of logits but {} and {} rows of parameters",
+        params_f.meta.shape()[0],
+        params_u.meta.shape()[0]
+    );
+    let out = empty_device_dtype(
+        logits.client.clone(),
+        logits.device.clone(),
+        Shape::new([b]),
+        DType::I32,
+    );
+    if b == 0 {
+        return out;
+    }
+    let caps = DeviceCaps::of(&logits.client);
+    let units = if caps.plane_ops {
+        MAX_UNITS.min(caps.max_cube_units)
+    } else {
+        caps.cube_units
+    };
+    let cfg = SampleConfig {
+        units,
+        use_plane: caps.plane_ops,
+    };
+    // SAFETY: every index is below the row's vocabulary (`logits.shape(1)`), the parameter rows
+    // were checked above, and the output has one slot per cube.
+    let client = logits.client.clone();
+    unsafe {
+        sample_rows::launch_unchecked(
+            &client,
+            CubeCount::Static(b as u32, 1, 1),
+            CubeDim::new_1d(units as u32),
+            logits.into_tensor_arg(),
+            params_f.into_tensor_arg(),
+            params_u.into_tensor_arg(),
+            out.clone().into_tensor_arg(),
+            cfg,
+        );
+    }
+    out
+}

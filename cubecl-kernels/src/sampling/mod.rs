@@ -1,0 +1,104 @@
+//! Sampling next tokens on the device: one kernel launch turns `logits [B, V]` into `[B]`
+//! token ids, with per-row temperature (0 = greedy), min-p, top-k, top-p and a per-row seed.
+//! Nothing of the logits leaves the device.
+//!
+//! The draw is the Gumbel-max trick over the kept tokens with noise from a counter-based hash
+//! of (seed, counter, token id), so a row's token depends only on its logits, its seed and its
+//! counter (the engine passes the position of the token being sampled): the same seed gives the
+//! same tokens whatever else is in the batch, and a recomputed sequence redraws the same tokens.
+//! The filters apply in vLLM's order, each on what the previous kept: min-p, top-k, then top-p
+//! over the renormalised remainder; ties at a threshold are all kept.
+
+pub(crate) mod kernel;
+pub(crate) mod launch;
+pub mod reference;
+
+use burn::backend::Dispatch;
+use burn::tensor::{DType, FloatDType, Int, Tensor, TensorData};
+
+use crate::KernelError;
+use crate::ops::KernelOps;
+
+/// How one row is sampled.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct SamplingRow {
+    /// Softmax temperature; `≤ 0` is greedy.
+    pub temperature: f32,
+    /// Keep the `top_k` most likely tokens (0 = all).
+    pub top_k: u32,
+    /// Keep the smallest set of most likely tokens holding this much probability (1 = all).
+    pub top_p: f32,
+    /// Drop tokens less likely than `min_p` × the most likely one's probability (0 = off).
+    pub min_p: f32,
+    /// The row's seed.
+    pub seed: u64,
+    /// Which draw of the seed this is (the position of the token being sampled).
+    pub counter: u32,
+}
+
+impl SamplingRow {
+    /// A greedy row.
+    pub fn greedy() -> Self {
+        Self {
+            temperature: 0.0,
+            top_k: 0,
+            top_p: 1.0,
+            min_p: 0.0,
+            seed: 0,
+            counter: 0,
+        }
+    }
+
+    fn check(&self) -> Result<(), KernelError> {
+        let valid = self.temperature.is_finite()
+            && self.top_p > 0.0
+            && self.top_p <= 1.0
+            && (0.0..=1.0).contains(&self.min_p);
+        if !valid {
+            return Err(KernelError::invalid(format!(
+                "sample: invalid row {self:?} (temperature finite, top_p in (0, 1], min_p in [0, 1])"
+            )));
+        }
+        Ok(())
+    }
+}
+
+/// One token per row of `logits [B, V]` → `[B]` (i32), on the logits' device.
+pub fn sample(logits: Tensor<2>, rows: &[SamplingRow]) -> Result<Tensor<1, Int>, KernelError> {
+    let [b, v] = logits.dims();
+    if rows.len() != b {
+        return Err(KernelError::invalid(format!(
+            "sample: {b} rows of logits, {} rows of parameters",
+            rows.len()
+        )));
+    }
+    rows.iter().try_for_each(SamplingRow::check)?;
+    let device = logits.device();
+    if !crate::runs_kernels(&logits) {
+        let host = logits
+            .into_data()
+            .try_into_vec_as::<f32>()
+            .map_err(|e| KernelError::invalid(format!("sample: {e:?}")))?;
+        let ids: Vec<i32> = reference::sample(&host, v, rows)
+            .into_iter()
+            .map(|t| t as i32)
+            .collect();
+        return Ok(Tensor::from_data(
+            TensorData::new(ids, [b]),
+            (&device, DType::I32),
+        ));
+    }
+    let mut pf = Vec::with_capacity(4 * b);
+    let mut pu = Vec::with_capacity(4 * b);
+    for r in rows {
+        pf.extend([r.temperature, r.top_p, r.min_p, 0.0]);
+        pu.extend([r.top_k, r.seed as u32, (r.seed >> 32) as u32, r.counter]);
+    }
+    let params_f = Tensor::<2>::from_data(TensorData::new(pf, [b, 4]), (&device, DType::F32));
+    let params_u = Tensor::<2, Int>::from_data(TensorData::new(pu, [b, 4]), (&device, DType::U32));
+    Ok(Tensor::from_dispatch(Dispatch::sample(
+        logits.cast(FloatDType::F32).into_dispatch(),
+        params_f.into_dispatch(),
+        params_u.into_dispatch(),
+    )))
+}

@@ -1,0 +1,151 @@
+//! The sampling kernel against the host sampler (same hash, same thresholds).
+
+use burn::tensor::{DType, Tensor, TensorData};
+use cubecl_kernels::SamplingRow;
+use cubecl_kernels::sampling::reference;
+use rand::Rng;
+
+use super::common::*;
+
+/// Rows of random logits with the parameters a step may mix: greedy, plain temperature, each
+/// filter alone and all together, ties at the top.
+fn cases(rng: &mut rand::rngs::StdRng, vocab: usize) -> (Vec<f32>, Vec<SamplingRow>) {
+    let base = SamplingRow {
+        temperature: 0.8,
+        top_k: 0,
+        top_p: 1.0,
+        min_p: 0.0,
+        seed: 0,
+        counter: 0,
+    };
+    let mut rows = vec![
+        SamplingRow::greedy(),
+        SamplingRow::greedy(),
+        base,
+        SamplingRow {
+            temperature: 2.5,
+            ..base
+        },
+        SamplingRow { top_k: 1, ..base },
+        SamplingRow { top_k: 7, ..base },
+        SamplingRow { top_p: 0.5, ..base },
+        SamplingRow {
+            top_p: 0.05,
+            ..base
+        },
+        SamplingRow { min_p: 0.2, ..base },
+        SamplingRow {
+            top_k: 20,
+            top_p: 0.8,
+            min_p: 0.05,
+            ..base
+        },
+        SamplingRow {
+            top_k: vocab as u32 + 5,
+            top_p: 0.999,
+            ..base
+        },
+    ];
+    for (i, r) in rows.iter_mut().enumerate() {
+        r.seed = rng.random::<u64>();
+        r.counter = i as u32 * 3;
+    }
+    let mut logits: Vec<f32> = (0..rows.len() * vocab)
+        .map(|_| rng.random::<f32>() * 10.0 - 5.0)
+        .collect();
+    // Ties at the maximum of row 1: the lowest id wins.
+    logits[vocab + 10] = 9.0;
+    logits[vocab + 20] = 9.0;
+    (logits, rows)
+}
+
+#[test]
+fn sampling_matches_host_reference() {
+    let mut rng = rng("sampling_matches_host_reference");
+    let device = kernel_device();
+    for vocab in [3, 257, 1000] {
+        let (logits, rows) = cases(&mut rng, vocab);
+        let t = Tensor::<2>::from_data(
+            TensorData::new(logits.clone(), [rows.len(), vocab]),
+            (&device, DType::F32),
+        );
+        let got: Vec<i64> = cubecl_kernels::sample(t, &rows)
+            .unwrap()
+            .into_data()
+            .try_into_vec_as::<i64>()
+            .unwrap();
+        for (r, row) in rows.iter().enumerate() {
+            let x = &logits[r * vocab..(r + 1) * vocab];
+            let want = reference::sample_row(x, row);
+            let g = got[r] as u32;
+            assert!(
+                (g as usize) < vocab,
+                "row {r}: token {g} outside the vocabulary"
+            );
+            // The kernel keeps exactly the reference's set of tokens…
+            let floor = reference::threshold(x, row);
+            assert!(
+                reference::order_key(x[g as usize]) >= floor,
+                "row {r} (V={vocab}): token {g} was filtered out"
+            );
+            if g != want {
+                // …and draws the same token unless two scores tie to rounding.
+                let score = |i: u32| {
+                    let key = reference::row_key(row);
+                    x[i as usize] / row.temperature - (-reference::uniform(key, i).ln()).ln()
+                };
+                assert!(
+                    row.temperature > 0.0 && (score(g) - score(want)).abs() < 1e-4,
+                    "row {r} (V={vocab}): kernel drew {g}, reference {want}"
+                );
+            }
+        }
+        if vocab > 20 {
+            assert_eq!(got[1], 10, "ties: the lowest id");
+            assert_eq!(
+                got[4] as usize,
+                argmax(&logits[4 * vocab..5 * vocab]),
+                "top_k = 1 is greedy"
+            );
+        }
+    }
+}
+
+/// Draws follow the filtered distribution: the frequency of each kept token over many seeds
+/// is close to its renormalised probability.
+#[test]
+fn draws_follow_the_filtered_distribution() {
+    let device = kernel_device();
+    let vocab = 6;
+    let logits = [2.0f32, 1.0, 0.5, 0.0, -1.0, -3.0];
+    let n = 4000;
+    let row = |seed: u64| SamplingRow {
+        temperature: 1.0,
+        top_k: 4,
+        top_p: 1.0,
+        min_p: 0.0,
+        seed,
+        counter: 1,
+    };
+    let rows: Vec<SamplingRow> = (0..n).map(|s| row(s as u64)).collect();
+    let flat: Vec<f32> = (0..n).flat_map(|_| logits).collect();
+    let t = Tensor::<2>::from_data(TensorData::new(flat, [n, vocab]), (&device, DType::F32));
+    let got: Vec<i64> = cubecl_kernels::sample(t, &rows)
+        .unwrap()
+        .into_data()
+        .try_into_vec_as::<i64>()
+        .unwrap();
+    let z: f32 = logits[..4].iter().map(|x| x.exp()).sum();
+    for (i, &x) in logits.iter().enumerate() {
+        let freq = got.iter().filter(|&&g| g == i as i64).count() as f32 / n as f32;
+        let p = if i < 4 { x.exp() / z } else { 0.0 };
+        assert!(
+            (freq - p).abs() < 0.03,
+            "token {i}: frequency {freq}, probability {p}"
+        );
+    }
+}
+
+fn argmax(x: &[f32]) -> usize {
+    (0..x.len()).fold(0, |b, i| if x[i] > x[b] { i } else { b })
+}

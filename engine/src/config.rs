@@ -1,0 +1,98 @@
+//! Engine options, fixed when the engine is built (vLLM's engine arguments).
+
+use burn::tensor::DType;
+use cubecl_kernels::DeviceKind;
+
+use crate::error::{EngineError, Result};
+
+/// How the engine runs.
+#[derive(Clone, Debug, PartialEq)]
+pub struct EngineConfig {
+    /// Where the model runs.
+    pub device: DeviceKind,
+    /// Compute dtype; default f32 on CPUs, bf16 on CUDA.
+    pub dtype: Option<DType>,
+    /// Most sequences running at once (and in one step).
+    pub max_num_seqs: usize,
+    /// Most tokens computed in one step (decode tokens plus prefill chunks).
+    pub max_num_batched_tokens: usize,
+    /// Longest prompt + output; default the model's `max_position_embeddings`.
+    pub max_model_len: Option<usize>,
+    /// Tokens per KV block.
+    pub block_size: usize,
+    /// KV blocks in the pool; default sized from free device memory (CUDA) or from
+    /// `max_num_seqs` full-length sequences within `cpu_kv_cache_bytes` (CPUs).
+    pub num_kv_blocks: Option<usize>,
+    /// Fraction of the GPU's memory the engine may use (weights, activations, KV pool).
+    pub gpu_memory_utilization: f32,
+    /// KV pool budget on CPU devices, bytes, when `num_kv_blocks` is not given.
+    pub cpu_kv_cache_bytes: usize,
+    /// Run every step eagerly (no CUDA graphs).
+    pub enforce_eager: bool,
+    /// Reuse the KV blocks of shared prompt prefixes.
+    pub enable_prefix_caching: bool,
+    /// Seed from which requests without their own seed get one.
+    pub seed: u64,
+}
+
+impl Default for EngineConfig {
+    fn default() -> Self {
+        Self {
+            device: DeviceKind::Cpu,
+            dtype: None,
+            max_num_seqs: 256,
+            max_num_batched_tokens: 8192,
+            max_model_len: None,
+            block_size: 16,
+            num_kv_blocks: None,
+            gpu_memory_utilization: 0.9,
+            cpu_kv_cache_bytes: 1 << 30,
+            enforce_eager: false,
+            enable_prefix_caching: true,
+            seed: 0,
+        }
+    }
+}
+
+impl EngineConfig {
+    /// The compute dtype for this device.
+    pub fn dtype(&self) -> DType {
+        self.dtype.unwrap_or(match self.device {
+            DeviceKind::Cuda(_) => DType::BF16,
+            _ => DType::F32,
+        })
+    }
+
+    /// Checks the options' ranges; the error names the option.
+    pub fn validate(&self) -> Result<()> {
+        let c = EngineError::config;
+        if self.max_num_seqs == 0 {
+            return Err(c("max_num_seqs", "must be at least 1".to_string()));
+        }
+        if self.max_num_batched_tokens < self.max_num_seqs {
+            return Err(c(
+                "max_num_batched_tokens",
+                format!(
+                    "{} is less than max_num_seqs = {} (every running sequence needs a token)",
+                    self.max_num_batched_tokens, self.max_num_seqs
+                ),
+            ));
+        }
+        if !(1..=1024).contains(&self.block_size) {
+            return Err(c(
+                "block_size",
+                format!("{} is outside 1..=1024", self.block_size),
+            ));
+        }
+        if !(self.gpu_memory_utilization > 0.0 && self.gpu_memory_utilization <= 1.0) {
+            return Err(c(
+                "gpu_memory_utilization",
+                format!("must be in (0, 1], got {}", self.gpu_memory_utilization),
+            ));
+        }
+        if self.num_kv_blocks == Some(0) {
+            return Err(c("num_kv_blocks", "must be at least 1".to_string()));
+        }
+        Ok(())
+    }
+}

@@ -1,0 +1,675 @@
+//! `LLMEngine`: the generation loop. `add_request` queues a prompt, `step` runs one scheduled
+//! batch (mixed decode rows and prefill chunks) and returns each request's new tokens, `abort`
+//! drops a request. Everything that generates text in this workspace goes through `step`.
+
+use std::collections::HashMap;
+use std::path::Path;
+use std::sync::Arc;
+use std::time::Instant;
+
+use burn::tensor::{DType, Device, Int, Tensor, TensorData};
+use cubecl_kernels::{AttentionMetadata, DeviceKind};
+use model_qwen2::{KvCache, LogitsRows, Qwen2Config, Qwen2Model, Qwen2Tokenizer};
+use rand::{Rng, SeedableRng, rngs::StdRng};
+
+use crate::block_manager::BlockManager;
+use crate::config::EngineConfig;
+use crate::detokenizer::Detokenizer;
+use crate::error::{EngineError, Result};
+use crate::memory;
+use crate::model_runner::{ModelRunner, StepSeq};
+use crate::output::{EngineStats, RequestMetrics, RequestOutput};
+use crate::sampler::{self, SamplerRow};
+use crate::sampling_params::SamplingParams;
+use crate::scheduler::{Scheduler, SchedulerLimits};
+use crate::sequence::{FinishReason, RequestId, Sequence};
+
+/// The engine's resolved limits.
+#[derive(Clone, Debug, PartialEq)]
+pub struct EngineLimits {
+    /// Longest prompt + output.
+    pub max_model_len: usize,
+    /// KV blocks in the pool.
+    pub num_kv_blocks: usize,
+    /// Tokens per block.
+    pub block_size: usize,
+    /// Compute dtype.
+    pub dtype: DType,
+    /// Batch sizes with a captured decode graph (empty: eager).
+    pub graph_sizes: Vec<usize>,
+}
+
+/// The inference engine over one model on one device.
+pub struct LLMEngine {
+    config: EngineConfig,
+    limits: EngineLimits,
+    model_config: Qwen2Config,
+    tokenizer: Option<Arc<Qwen2Tokenizer>>,
+    eos_token_ids: Vec<u32>,
+    generation_defaults: SamplingParams,
+    scheduler: Scheduler,
+    runner: ModelRunner,
+    detokenizers: HashMap<RequestId, Detokenizer>,
+    pending: Vec<RequestOutput>,
+    stream_text: bool,
+    next_id: RequestId,
+    rng: StdRng,
+    stats: EngineStats,
+}
+
+impl LLMEngine {
+    /// Loads a Hugging Face checkpoint folder (config, weights, tokenizer and
+    /// `generation_config.json` when present) and sizes the KV pool.
+    pub fn new(dir: impl AsRef<Path>, config: EngineConfig) -> Result<Self> {
+        config.validate()?;
+        let device = config.device.device()?;
+        let model = Qwen2Model::from_pretrained(dir.as_ref(), config.dtype(), &device)?;
+        Self::with_model(model, Some(dir.as_ref()), device, config)
+    }
+
+    /// Wraps an already built model (e.g. [`Qwen2Model::dummy`]); `dir`, when given, is searched
+    /// for the tokenizer and `generation_config.json`.
+    pub fn with_model(
+        model: Qwen2Model,
+        dir: Option<&Path>,
+        device: Device,
+        config: EngineConfig,
+    ) -> Result<Self> {
+        config.validate()?;
+        let tokenizer = match dir {
+            Some(d) if d.join("tokenizer.json").exists() => {
+                Some(Arc::new(Qwen2Tokenizer::from_dir(d)?))
+            }
+            _ => None,
+        };
+        let generation = match dir {
+            Some(d) => read_generation_config(&d.join("generation_config.json"))?,
+            None => serde_json::Value::Null,
+        };
+        let mut eos_token_ids = model.config.eos_token_ids.clone();
+        for id in json_ids(&generation["eos_token_id"]) {
+            if !eos_token_ids.contains(&id) {
+                eos_token_ids.push(id);
+            }
+        }
+        let model_config = model.config.clone();
+        let limit = model_config.max_position_embeddings;
+        let max_model_len = config.max_model_len.unwrap_or(limit);
+        if max_model_len > limit || max_model_len < 2 {
+            return Err(EngineError::config(
+                "max_model_len",
+                format!(
+                    "{max_model_len} is outside 2..={limit} (the model's max_position_embeddings)"
+                ),
+            ));
+        }
+        let dtype = model.dtype();
+        let model = Arc::new(model);
+        let num_kv_blocks = match config.num_kv_blocks {
+            Some(n) => n,
+            None => size_kv_pool(&model, &device, &config, max_model_len)?,
+        };
+        let cache = KvCache::new(
+            &model_config,
+            num_kv_blocks,
+            config.block_size,
+            dtype,
+            &device,
+        )?;
+        let runner = ModelRunner::new(
+            model,
+            cache,
+            device,
+            config.device,
+            config.max_num_seqs,
+            max_model_len,
+            !config.enforce_eager,
+        )?;
+        let scheduler = Scheduler::new(
+            SchedulerLimits {
+                max_num_seqs: config.max_num_seqs,
+                max_num_batched_tokens: config.max_num_batched_tokens,
+            },
+            BlockManager::new(
+                num_kv_blocks,
+                config.block_size,
+                config.enable_prefix_caching,
+            ),
+        );
+        let limits = EngineLimits {
+            max_model_len,
+            num_kv_blocks,
+            block_size: config.block_size,
+            dtype,
+            graph_sizes: runner.graph_sizes(),
+        };
+        Ok(Self {
+            rng: StdRng::seed_from_u64(config.seed),
+            generation_defaults: generation_defaults(&generation),
+            config,
+            limits,
+            model_config,
+            tokenizer,
+            eos_token_ids,
+            scheduler,
+            runner,
+            detokenizers: HashMap::new(),
+            pending: Vec::new(),
+            stream_text: false,
+            next_id: 0,
+            stats: EngineStats::default(),
+        })
+    }
+
+    /// The options the engine was built with.
+    pub fn config(&self) -> &EngineConfig {
+        &self.config
+    }
+
+    /// The resolved limits (KV pool size, `max_model_len`, graphs).
+    pub fn limits(&self) -> &EngineLimits {
+        &self.limits
+    }
+
+    /// The model's configuration.
+    pub fn model_config(&self) -> &Qwen2Config {
+        &self.model_config
+    }
+
+    /// The model.
+    pub fn model(&self) -> &Qwen2Model {
+        self.runner.model()
+    }
+
+    /// The device the model runs on.
+    pub fn device(&self) -> &Device {
+        self.runner.device()
+    }
+
+    /// The tokenizer, when the model folder has one.
+    pub fn tokenizer(&self) -> Option<&Arc<Qwen2Tokenizer>> {
+        self.tokenizer.as_ref()
+    }
+
+    /// End-of-sequence ids (config and `generation_config.json`).
+    pub fn eos_token_ids(&self) -> &[u32] {
+        &self.eos_token_ids
+    }
+
+    /// Sampling defaults from `generation_config.json` (temperature, top-p, top-k,
+    /// repetition penalty), over [`SamplingParams::default`].
+    pub fn default_sampling_params(&self) -> SamplingParams {
+        self.generation_defaults.clone()
+    }
+
+    /// Track every request's text and hand out text deltas in [`RequestOutput::new_text`]
+    /// (streaming front ends). Off by default: text is then tracked only for requests with
+    /// stop strings.
+    pub fn set_stream_text(&mut self, on: bool) {
+        self.stream_text = on;
+    }
+
+    /// Counters since the engine started.
+    pub fn stats(&self) -> EngineStats {
+        let mut s = self.stats;
+        let bm = self.scheduler.block_manager().stats();
+        s.prefix_queried_tokens = bm.queried_tokens;
+        s.prefix_hit_tokens = bm.hit_tokens;
+        s.preemptions = self.scheduler.num_preemptions();
+        let r = self.runner.stats();
+        s.graph_steps = r.graph_steps;
+        s.prepare_time = r.prepare_time;
+        s
+    }
+
+    /// Requests waiting to be scheduled.
+    pub fn num_waiting(&self) -> usize {
+        self.scheduler.num_waiting()
+    }
+
+    /// Requests running.
+    pub fn num_running(&self) -> usize {
+        self.scheduler.num_running()
+    }
+
+    /// Fraction of the KV pool held by requests.
+    pub fn kv_usage(&self) -> f64 {
+        self.scheduler.block_manager().usage()
+    }
+
+    /// True while any request is unfinished (or an output is pending).
+    pub fn has_unfinished(&self) -> bool {
+        self.scheduler.has_unfinished() || !self.pending.is_empty()
+    }
+
+    /// Text of `prompt` as token ids.
+    pub fn encode(&self, text: &str) -> Result<Vec<u32>> {
+        Ok(self
+            .tokenizer
+            .as_ref()
+            .ok_or(EngineError::NoTokenizer)?
+            .encode(text)?)
+    }
+
+    /// Queues a request for `prompt` (token ids). Fails, without queueing, on an empty
+    /// prompt, an id outside the vocabulary, a prompt of `max_model_len` tokens or more, a
+    /// prompt larger than the whole KV pool, or invalid parameters.
+    pub fn add_request(&mut self, prompt: Vec<u32>, params: SamplingParams) -> Result<RequestId> {
+        params.validate()?;
+        if prompt.is_empty() {
+            return Err(EngineError::EmptyPrompt);
+        }
+        let vocab_size = self.model_config.vocab_size;
+        if let Some(&id) = prompt.iter().find(|&&t| t as usize >= vocab_size) {
+            return Err(EngineError::TokenOutOfVocab { id, vocab_size });
+        }
+        let max_model_len = self.limits.max_model_len;
+        if prompt.len() >= max_model_len {
+            return Err(EngineError::PromptTooLong {
+                len: prompt.len(),
+                max_model_len,
+            });
+        }
+        let bm = self.scheduler.block_manager();
+        let needed = bm.blocks_for(prompt.len() + 1);
+        if needed > bm.num_blocks() {
+            return Err(EngineError::OutOfKvBlocks {
+                tokens: prompt.len() + 1,
+                needed,
+                block_size: bm.block_size(),
+                available: bm.num_blocks(),
+            });
+        }
+        let id = self.next_id;
+        self.next_id += 1;
+        let seed = params.seed.unwrap_or_else(|| self.rng.random());
+        if self.stream_text || !params.stop.is_empty() {
+            self.detokenizers.insert(id, Detokenizer::new(&params));
+        }
+        self.scheduler
+            .add(Sequence::new(id, prompt, Arc::new(params), seed));
+        Ok(id)
+    }
+
+    /// Ends a request; its output (finish reason `abort`) comes with the next step.
+    pub fn abort(&mut self, id: RequestId) -> Result<()> {
+        match self.scheduler.get(id) {
+            Some(seq) if !seq.is_finished() => {}
+            _ => return Err(EngineError::UnknownRequest(id)),
+        }
+        self.scheduler.finish(id, FinishReason::Abort);
+        let out = self.finished_output(id, Vec::new(), Vec::new());
+        self.pending.extend(out);
+        Ok(())
+    }
+
+    /// Runs one step: schedules, runs the model, samples, applies stop conditions. Returns an
+    /// output for every request that got a token, finished, failed or was aborted since the
+    /// last step. An error is a device or model failure: no request is lost by it, but the
+    /// step did not run.
+    pub fn step(&mut self) -> Result<Vec<RequestOutput>> {
+        let start = Instant::now();
+        let mut outputs = std::mem::take(&mut self.pending);
+        let sched = self.scheduler.schedule();
+        for &id in &sched.failed {
+            outputs.extend(self.finished_output(id, Vec::new(), Vec::new()));
+        }
+        if sched.is_empty() {
+            self.stats.host_time += start.elapsed();
+            self.stats.step_time += start.elapsed();
+            return Ok(outputs);
+        }
+        let scheduled_at = Instant::now();
+        let seqs: Vec<StepSeq<'_>> = sched
+            .seqs
+            .iter()
+            .map(|s| {
+                let seq = self.scheduler.get(s.id).expect("scheduled sequence");
+                StepSeq {
+                    token_ids: &seq.token_ids,
+                    num_computed_tokens: seq.num_computed_tokens,
+                    num_new_tokens: s.num_new_tokens,
+                    block_table: &seq.block_table,
+                    samples: s.samples,
+                }
+            })
+            .collect();
+        let logits = self.runner.forward(&seqs)?;
+        drop(seqs);
+        let sampled_ids: Vec<RequestId> = sched
+            .seqs
+            .iter()
+            .filter(|s| s.samples)
+            .map(|s| s.id)
+            .collect();
+        let sampled = match logits {
+            Some(logits) => {
+                let seqs: Vec<&Sequence> = sampled_ids
+                    .iter()
+                    .map(|id| self.scheduler.get(*id).expect("sampled sequence"))
+                    .collect();
+                let rows: Vec<SamplerRow<'_>> = seqs
+                    .iter()
+                    .map(|seq| SamplerRow {
+                        params: &seq.params,
+                        seed: seq.seed,
+                        prompt: &seq.token_ids[..seq.num_prompt_tokens],
+                        output: seq.output_token_ids(),
+                        banned: self.banned_tokens(seq),
+                    })
+                    .collect();
+                let counters: Vec<u32> = seqs.iter().map(|s| s.num_tokens() as u32).collect();
+                sampler::sample(logits, &rows, &counters)?
+            }
+            None => Vec::new(),
+        };
+        let ran_at = Instant::now();
+        let mut prefill = false;
+        for s in &sched.seqs {
+            if s.num_new_tokens > 1 || !s.samples || self.is_prompt_token(s.id) {
+                prefill = true;
+                self.stats.prefill_tokens += s.num_new_tokens as u64;
+            } else {
+                self.stats.decode_tokens += 1;
+            }
+            self.scheduler.on_computed(s);
+        }
+        for (id, sample) in sampled_ids.into_iter().zip(sampled) {
+            outputs.extend(self.append_token(id, sample.token_id, sample.logprobs)?);
+        }
+        self.stats.steps += 1;
+        self.stats.generated_tokens += outputs
+            .iter()
+            .map(|o| o.new_token_ids.len() as u64)
+            .sum::<u64>();
+        let end = Instant::now();
+        self.stats.host_time += (scheduled_at - start) + (end - ran_at);
+        self.stats.step_time += end - start;
+        if prefill {
+            self.stats.prefill_time += end - start;
+        } else {
+            self.stats.decode_time += end - start;
+        }
+        Ok(outputs)
+    }
+
+    /// True if `id`'s next computed token is still part of its prompt.
+    fn is_prompt_token(&self, id: RequestId) -> bool {
+        self.scheduler
+            .get(id)
+            .is_some_and(|s| s.num_computed_tokens < s.num_prompt_tokens)
+    }
+
+    /// End-of-sequence and stop tokens may not be drawn before `min_tokens`.
+    fn banned_tokens(&self, seq: &Sequence) -> Vec<u32> {
+        let p = &seq.params;
+        if seq.num_output_tokens() >= p.min_tokens {
+            return Vec::new();
+        }
+        let mut banned = p.stop_token_ids.clone();
+        if !p.ignore_eos {
+            banned.extend(&self.eos_token_ids);
+        }
+        banned.retain(|&t| (t as usize) < self.model_config.vocab_size);
+        banned
+    }
+
+    /// Appends a sampled token and applies the stop conditions.
+    fn append_token(
+        &mut self,
+        id: RequestId,
+        token: u32,
+        logprobs: Option<sampler::TokenLogprobs>,
+    ) -> Result<Option<RequestOutput>> {
+        let max_model_len = self.limits.max_model_len;
+        let seq = self.scheduler.get_mut(id).expect("sampled sequence");
+        seq.token_ids.push(token);
+        seq.first_token_time.get_or_insert_with(Instant::now);
+        let params = seq.params.clone();
+        let n_out = seq.num_output_tokens();
+        let may_stop = n_out >= params.min_tokens;
+        let mut reason = None;
+        if may_stop
+            && ((!params.ignore_eos && self.eos_token_ids.contains(&token))
+                || params.stop_token_ids.contains(&token))
+        {
+            reason = Some(FinishReason::Stop);
+        }
+        if let Some(detok) = self.detokenizers.get_mut(&id) {
+            let tokenizer = self.tokenizer.as_ref().ok_or(EngineError::NoTokenizer)?;
+            let seq = self.scheduler.get(id).expect("sampled sequence");
+            let stopped = detok.update(tokenizer, seq.output_token_ids(), &params)?;
+            if stopped && may_stop && reason.is_none() {
+                reason = Some(FinishReason::Stop);
+            }
+        }
+        let seq = self.scheduler.get(id).expect("sampled sequence");
+        if reason.is_none() && (n_out >= params.max_tokens || seq.num_tokens() >= max_model_len) {
+            reason = Some(FinishReason::Length);
+        }
+        let new_text = match (&reason, self.detokenizers.get_mut(&id)) {
+            (None, Some(detok)) => detok.take_delta(false),
+            _ => String::new(),
+        };
+        let logprobs: Vec<_> = logprobs.into_iter().collect();
+        match reason {
+            Some(reason) => {
+                self.scheduler.finish(id, reason);
+                Ok(self.finished_output(id, vec![token], logprobs))
+            }
+            None => {
+                let seq = self.scheduler.get(id).expect("sampled sequence");
+                Ok(Some(RequestOutput {
+                    id,
+                    new_token_ids: vec![token],
+                    new_text,
+                    new_logprobs: logprobs,
+                    finish_reason: None,
+                    num_prompt_tokens: seq.num_prompt_tokens,
+                    num_output_tokens: seq.num_output_tokens(),
+                    num_cached_tokens: seq.num_cached_tokens,
+                    metrics: None,
+                }))
+            }
+        }
+    }
+
+    /// The final output of a finished request (removing it from the scheduler).
+    fn finished_output(
+        &mut self,
+        id: RequestId,
+        new_token_ids: Vec<u32>,
+        new_logprobs: Vec<sampler::TokenLogprobs>,
+    ) -> Option<RequestOutput> {
+        let seq = self.scheduler.take_finished(id)?;
+        let mut new_text = String::new();
+        if let Some(mut d) = self.detokenizers.remove(&id) {
+            if let Some(tokenizer) = &self.tokenizer {
+                // The text is best effort here: the request has ended either way.
+                let _ = d.flush(tokenizer, seq.output_token_ids(), &seq.params);
+            }
+            new_text = d.take_delta(true);
+        }
+        let now = Instant::now();
+        Some(RequestOutput {
+            id,
+            new_token_ids,
+            new_text,
+            new_logprobs,
+            finish_reason: seq.finish_reason.clone(),
+            num_prompt_tokens: seq.num_prompt_tokens,
+            num_output_tokens: seq.num_output_tokens(),
+            num_cached_tokens: seq.num_cached_tokens,
+            metrics: Some(RequestMetrics {
+                time_to_first_token: seq.first_token_time.map(|t| t - seq.arrival),
+                total_time: now - seq.arrival,
+                num_preemptions: seq.num_preemptions,
+            }),
+        })
+    }
+}
+
+/// `generation_config.json` as JSON (`Null` when absent).
+fn read_generation_config(path: &Path) -> Result<serde_json::Value> {
+    if !path.exists() {
+        return Ok(serde_json::Value::Null);
+    }
+    let text = std::fs::read_to_string(path).map_err(|source| model_qwen2::ModelError::Io {
+        path: path.to_path_buf(),
+        source,
+    })?;
+    serde_json::from_str(&text).map_err(|e| {
+        model_qwen2::ModelError::Parse {
+            path: path.to_path_buf(),
+            message: e.to_string(),
+        }
+        .into()
+    })
+}
+
+/// A token id or a list of them.
+fn json_ids(value: &serde_json::Value) -> Vec<u32> {
+    match value {
+        serde_json::Value::Number(n) => n.as_u64().map(|v| vec![v as u32]).unwrap_or_default(),
+        serde_json::Value::Array(a) => a
+            .iter()
+            .filter_map(|v| v.as_u64())
+            .map(|v| v as u32)
+            .collect(),
+        _ => Vec::new(),
+    }
+}
+
+/// Sampling defaults a checkpoint recommends (`do_sample: false` means greedy).
+fn generation_defaults(json: &serde_json::Value) -> SamplingParams {
+    let mut p = SamplingParams::default();
+    let f = |k: &str| json[k].as_f64().map(|v| v as f32);
+    if let Some(t) = f("temperature") {
+        p.temperature = t;
+    }
+    if let Some(v) = f("top_p") {
+        p.top_p = v;
+    }
+    if let Some(k) = json["top_k"].as_u64() {
+        p.top_k = k as u32;
+    }
+    if let Some(v) = f("min_p") {
+        p.min_p = v;
+    }
+    if let Some(v) = f("repetition_penalty") {
+        p.repetition_penalty = v;
+    }
+    if json["do_sample"] == serde_json::Value::Bool(false) {
+        p.temperature = 0.0;
+    }
+    p
+}
+
+/// The KV pool size when none is given: on CUDA, what fits in `gpu_memory_utilization` of the
+/// device after the weights, a profiling forward at the largest step and the decode graphs; on
+/// CPUs, `max_num_seqs` full-length sequences within `cpu_kv_cache_bytes`.
+fn size_kv_pool(
+    model: &Qwen2Model,
+    device: &Device,
+    config: &EngineConfig,
+    max_model_len: usize,
+) -> Result<usize> {
+    let dtype = model.dtype();
+    let c = &model.config;
+    let bs = config.block_size;
+    let DeviceKind::Cuda(index) = config.device else {
+        let most = config.max_num_seqs * max_model_len.div_ceil(bs);
+        let fits = memory::blocks_in(config.cpu_kv_cache_bytes, c, bs, dtype);
+        return Ok(most.min(fits).max(max_model_len.div_ceil(bs)));
+    };
+    profile_forward(model, device, config, max_model_len)?;
+    let (free, total) = memory::cuda_memory(index)
+        .ok_or_else(|| EngineError::Device("cannot read the GPU's free memory".into()))?;
+    let reserved = (total as f64 * (1.0 - config.gpu_memory_utilization as f64)) as usize;
+    let graphs = if config.enforce_eager {
+        0
+    } else {
+        crate::cuda_graph::bucket_sizes(config.max_num_seqs)
+            .iter()
+            .sum::<usize>()
+            * memory::graph_bytes_per_row(c, dtype.size())
+    };
+    let budget = free.saturating_sub(reserved).saturating_sub(graphs);
+    let blocks = memory::blocks_in(budget, c, bs, dtype);
+    if blocks * bs < max_model_len {
+        return Err(EngineError::Device(format!(
+            "only {blocks} KV blocks of {bs} tokens fit in gpu_memory_utilization = {} of the \
+             GPU ({} MiB free of {} MiB): not one sequence of max_model_len = {max_model_len}",
+            config.gpu_memory_utilization,
+            free >> 20,
+            total >> 20
+        )));
+    }
+    Ok(blocks)
+}
+
+/// A forward pass at the largest step the scheduler can build (`max_num_batched_tokens`
+/// prompt tokens, logits for `max_num_seqs` rows), so that activations and autotuned kernels
+/// take their memory before the KV pool is sized.
+fn profile_forward(
+    model: &Qwen2Model,
+    device: &Device,
+    config: &EngineConfig,
+    max_model_len: usize,
+) -> Result<()> {
+    let bs = config.block_size;
+    let total = config.max_num_batched_tokens;
+    let per_seq = (max_model_len - 1).min(total);
+    let mut lens = Vec::new();
+    let mut left = total;
+    while left > 0 {
+        let l = per_seq.min(left);
+        lens.push(l);
+        left -= l;
+    }
+    let blocks: Vec<usize> = lens.iter().map(|l| l.div_ceil(bs)).collect();
+    let mut cache = KvCache::new(
+        &model.config,
+        blocks.iter().sum(),
+        bs,
+        model.dtype(),
+        device,
+    )?;
+    let mut next = 0u32;
+    let tables = blocks
+        .iter()
+        .map(|&n| {
+            let t: Vec<u32> = (next..next + n as u32).collect();
+            next += n as u32;
+            t
+        })
+        .collect();
+    let meta = AttentionMetadata::prefill(lens.clone(), tables, bs, device)?;
+    let ids = vec![0u32; total];
+    let rows: Vec<i32> = (0..config.max_num_seqs)
+        .map(|r| ((r * total) / config.max_num_seqs) as i32)
+        .collect();
+    let n = rows.len();
+    let rows = Tensor::<1, Int>::from_data(TensorData::new(rows, [n]), (device, DType::I32));
+    let logits = model.forward(
+        model.input_ids(&ids, device)?,
+        &meta,
+        &mut cache,
+        LogitsRows::Rows(Box::new(rows)),
+    );
+    let params = SamplingParams::default();
+    let rows: Vec<SamplerRow<'_>> = (0..n)
+        .map(|_| SamplerRow {
+            params: &params,
+            seed: 0,
+            prompt: &[],
+            output: &[],
+            banned: Vec::new(),
+        })
+        .collect();
+    sampler::sample(logits, &rows, &vec![0; n])?;
+    device
+        .sync()
+        .map_err(|e| EngineError::Device(format!("profiling forward: {e:?}")))?;
+    Ok(())
+}

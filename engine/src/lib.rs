@@ -1,0 +1,42 @@
+//! The inference engine: continuous batching over a paged KV cache with prefix caching, chunked
+//! prefill mixed with decodes, preemption by recompute, CUDA-graph decode steps and sampling on
+//! the device — nano-vLLM's design in Rust, over the Qwen2 model of `model-qwen2` and the
+//! kernels of `cubecl-kernels`. It knows nothing of command lines or HTTP.
+//!
+//! | file | idea |
+//! | --- | --- |
+//! | [`config`] | [`EngineConfig`]: limits, device, pool size, graphs |
+//! | [`sampling_params`] | [`SamplingParams`]: per-request sampling and stop conditions |
+//! | [`sequence`] | [`Sequence`]: a request's tokens, computed count and block table |
+//! | [`block_manager`] | [`BlockManager`]: reference-counted KV blocks and the prefix cache |
+//! | [`scheduler`] | [`Scheduler`]: which tokens of which sequences a step computes |
+//! | [`model_runner`] | [`ModelRunner`]: the flattened batch, the forward pass, decode graphs |
+//! | [`sampler`] | penalties, the sampling kernel and log-probabilities |
+//! | [`detokenizer`] | incremental text and stop strings |
+//! | [`engine`] | [`LLMEngine`]: `add_request`, `step`, `abort` |
+
+pub mod block_manager;
+pub mod config;
+mod cuda_graph;
+pub mod detokenizer;
+pub mod engine;
+pub mod error;
+pub mod memory;
+pub mod model_runner;
+pub mod output;
+pub mod sampler;
+pub mod sampling_params;
+pub mod scheduler;
+pub mod sequence;
+
+pub use block_manager::BlockManager;
+pub use config::EngineConfig;
+pub use cubecl_kernels::DeviceKind;
+pub use engine::{EngineLimits, LLMEngine};
+pub use error::{EngineError, Result};
+pub use model_runner::ModelRunner;
+pub use output::{EngineStats, RequestMetrics, RequestOutput};
+pub use sampler::TokenLogprobs;
+pub use sampling_params::SamplingParams;
+pub use scheduler::{Scheduler, SchedulerLimits, SchedulerOutput};
+pub use sequence::{FinishReason, RequestId, Sequence};

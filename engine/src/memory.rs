@@ -1,0 +1,38 @@
+//! Sizing the KV pool: from the GPU's free memory after the weights and a profiling forward at
+//! the largest step (vLLM's `gpu_memory_utilization`), or from a byte budget on CPUs.
+
+use burn::tensor::DType;
+use model_qwen2::{KvCache, Qwen2Config};
+
+/// `(free, total)` bytes of CUDA device `index`, from the driver (`cuMemGetInfo`).
+#[cfg(feature = "cuda")]
+pub fn cuda_memory(index: usize) -> Option<(usize, usize)> {
+    use cudarc::driver::result;
+    result::init().ok()?;
+    let dev = result::device::get(index as i32).ok()?;
+    // SAFETY: the primary context of an existing device, retained (never released: it lives as
+    // long as the process, like CubeCL's own) and made current on this thread only to query.
+    unsafe {
+        let ctx = result::primary_ctx::retain(dev).ok()?;
+        result::ctx::set_current(ctx).ok()?;
+    }
+    result::mem_get_info().ok()
+}
+
+/// Without the CUDA runtime there is nothing to ask.
+#[cfg(not(feature = "cuda"))]
+pub fn cuda_memory(_index: usize) -> Option<(usize, usize)> {
+    None
+}
+
+/// Bytes the decode graphs keep pinned per batch row beyond the KV pool: the f32 and
+/// model-dtype logits and a margin for the row's activations.
+pub fn graph_bytes_per_row(config: &Qwen2Config, dtype_size: usize) -> usize {
+    config.vocab_size * (4 + dtype_size)
+        + 8 * (config.hidden_size + 2 * config.intermediate_size) * 4
+}
+
+/// Blocks that fit in `budget` bytes.
+pub fn blocks_in(budget: usize, config: &Qwen2Config, block_size: usize, dtype: DType) -> usize {
+    budget / KvCache::bytes_per_block(config, block_size, dtype).max(1)
+}

@@ -1,0 +1,71 @@
+//! What the engine hands back after each step.
+
+use std::time::Duration;
+
+use crate::sampler::TokenLogprobs;
+use crate::sequence::{FinishReason, RequestId};
+
+/// The progress of one request in one step (streaming API), or its end.
+#[derive(Clone, Debug, PartialEq)]
+pub struct RequestOutput {
+    /// The request.
+    pub id: RequestId,
+    /// Tokens generated in this step (usually one).
+    pub new_token_ids: Vec<u32>,
+    /// Text added in this step (when the request's text is tracked: streaming or stop strings).
+    pub new_text: String,
+    /// Log-probabilities of the new tokens, when asked for.
+    pub new_logprobs: Vec<TokenLogprobs>,
+    /// Set once the request is done.
+    pub finish_reason: Option<FinishReason>,
+    /// Prompt length.
+    pub num_prompt_tokens: usize,
+    /// Tokens generated so far.
+    pub num_output_tokens: usize,
+    /// Prompt tokens served from the prefix cache.
+    pub num_cached_tokens: usize,
+    /// Timings, when finished.
+    pub metrics: Option<RequestMetrics>,
+}
+
+/// Timings of a finished request.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct RequestMetrics {
+    /// From arrival to the first generated token.
+    pub time_to_first_token: Option<Duration>,
+    /// From arrival to the end.
+    pub total_time: Duration,
+    /// Times it was preempted.
+    pub num_preemptions: u32,
+}
+
+/// Counters of the engine's work since it started.
+#[derive(Clone, Copy, Debug, Default, PartialEq)]
+pub struct EngineStats {
+    /// Steps run.
+    pub steps: u64,
+    /// Prompt tokens computed (prefix-cache hits excluded).
+    pub prefill_tokens: u64,
+    /// Tokens computed by decode rows.
+    pub decode_tokens: u64,
+    /// Tokens generated.
+    pub generated_tokens: u64,
+    /// Preemptions.
+    pub preemptions: u64,
+    /// Prompt tokens looked up in the prefix cache, and found.
+    pub prefix_queried_tokens: u64,
+    /// Prompt tokens served from the prefix cache.
+    pub prefix_hit_tokens: u64,
+    /// Steps replayed as CUDA graphs.
+    pub graph_steps: u64,
+    /// Host time in scheduling and post-processing.
+    pub host_time: Duration,
+    /// Host time in building inputs and enqueueing the forward pass.
+    pub prepare_time: Duration,
+    /// Wall time inside `step`.
+    pub step_time: Duration,
+    /// Time spent in steps that had prefill tokens.
+    pub prefill_time: Duration,
+    /// Time spent in decode-only steps.
+    pub decode_time: Duration,
+}

@@ -1,0 +1,251 @@
+//! Turning a step's logits into next tokens on the device: penalties and `min_tokens` bans as
+//! one gather/scatter over the affected logits, then the sampling kernel
+//! ([`cubecl_kernels::sample`]: greedy, or a seeded min-p/top-k/top-p draw per row), and
+//! log-probabilities for the rows that ask. Only the sampled ids (and requested log-probs)
+//! come back to the host; the `[rows, V]` logits never do.
+
+use std::collections::BTreeMap;
+
+use burn::tensor::{DType, IndexingUpdateOp, Int, Tensor, TensorData, activation::log_softmax};
+use cubecl_kernels::SamplingRow;
+
+use crate::error::Result;
+use crate::sampling_params::SamplingParams;
+
+/// What the sampler needs of one row's request.
+#[derive(Clone, Debug)]
+pub struct SamplerRow<'a> {
+    /// The request's parameters.
+    pub params: &'a SamplingParams,
+    /// The request's seed.
+    pub seed: u64,
+    /// Prompt tokens (repetition penalty).
+    pub prompt: &'a [u32],
+    /// Generated tokens so far (penalties).
+    pub output: &'a [u32],
+    /// Tokens that may not be drawn now (end-of-sequence and stop tokens before `min_tokens`).
+    pub banned: Vec<u32>,
+}
+
+/// Log-probabilities of one sampled token.
+#[derive(Clone, Debug, PartialEq)]
+pub struct TokenLogprobs {
+    /// The sampled token.
+    pub token_id: u32,
+    /// Its log-probability under the model's distribution (before temperature and filters).
+    pub logprob: f32,
+    /// The most likely tokens and their log-probabilities, most likely first.
+    pub top: Vec<(u32, f32)>,
+}
+
+/// One row's result.
+#[derive(Clone, Debug, PartialEq)]
+pub struct Sampled {
+    /// The next token.
+    pub token_id: u32,
+    /// Its log-probabilities, when asked for.
+    pub logprobs: Option<TokenLogprobs>,
+}
+
+/// The penalty applied to one logit.
+#[derive(Clone, Copy, Debug, PartialEq)]
+struct Adjustment {
+    /// Repetition penalty factor (1 = none).
+    repetition: f32,
+    /// Subtracted: `frequency · count + presence · [count > 0]`.
+    subtract: f32,
+    /// Forced to −∞.
+    banned: bool,
+}
+
+/// The logits a row's penalties and bans touch, by token id.
+fn adjustments(row: &SamplerRow<'_>) -> BTreeMap<u32, Adjustment> {
+    let p = row.params;
+    let mut out: BTreeMap<u32, Adjustment> = BTreeMap::new();
+    let none = Adjustment {
+        repetition: 1.0,
+        subtract: 0.0,
+        banned: false,
+    };
+    if p.repetition_penalty != 1.0 {
+        for &t in row.prompt.iter().chain(row.output) {
+            out.entry(t).or_insert(none).repetition = p.repetition_penalty;
+        }
+    }
+    if p.presence_penalty != 0.0 || p.frequency_penalty != 0.0 {
+        let mut counts: BTreeMap<u32, u32> = BTreeMap::new();
+        for &t in row.output {
+            *counts.entry(t).or_default() += 1;
+        }
+        for (t, c) in counts {
+            out.entry(t).or_insert(none).subtract =
+                p.frequency_penalty * c as f32 + p.presence_penalty;
+        }
+    }
+    for &t in &row.banned {
+        out.entry(t).or_insert(none).banned = true;
+    }
+    out
+}
+
+fn adjust(x: f32, a: &Adjustment) -> f32 {
+    if a.banned {
+        return f32::NEG_INFINITY;
+    }
+    let x = if x > 0.0 {
+        x / a.repetition
+    } else {
+        x * a.repetition
+    };
+    x - a.subtract
+}
+
+/// Applies the rows' penalties and bans to host logits (`rows.len()` rows of `vocab`): the
+/// reference of the device path.
+pub fn apply_penalties_host(logits: &mut [f32], vocab: usize, rows: &[SamplerRow<'_>]) {
+    for (r, row) in rows.iter().enumerate() {
+        for (t, a) in adjustments(row) {
+            let x = &mut logits[r * vocab + t as usize];
+            *x = adjust(*x, &a);
+        }
+    }
+}
+
+/// Applies the rows' penalties and bans to `logits [rows, V]` (f32) on its device.
+pub fn apply_penalties(logits: Tensor<2>, rows: &[SamplerRow<'_>]) -> Tensor<2> {
+    let [s, v] = logits.dims();
+    let mut index = Vec::new();
+    let mut repetition = Vec::new();
+    let mut subtract = Vec::new();
+    let mut banned = Vec::new();
+    for (r, row) in rows.iter().enumerate() {
+        for (t, a) in adjustments(row) {
+            index.push((r * v + t as usize) as i64);
+            repetition.push(a.repetition);
+            subtract.push(a.subtract);
+            banned.push(a.banned);
+        }
+    }
+    if index.is_empty() {
+        return logits;
+    }
+    let device = logits.device();
+    let n = index.len();
+    let index = Tensor::<1, Int>::from_data(TensorData::new(index, [n]), &device);
+    let repetition =
+        Tensor::<1>::from_data(TensorData::new(repetition, [n]), (&device, DType::F32));
+    let subtract = Tensor::<1>::from_data(TensorData::new(subtract, [n]), (&device, DType::F32));
+    let banned = Tensor::<1, burn::tensor::Bool>::from_data(TensorData::new(banned, [n]), &device);
+    let flat = logits.reshape([s * v]);
+    let x = flat.clone().select(0, index.clone());
+    let positive = x.clone().greater_elem(0.0);
+    let scaled = (x.clone() * repetition.clone()).mask_where(positive, x / repetition);
+    let adjusted = (scaled - subtract).mask_fill(banned, f32::NEG_INFINITY);
+    flat.select_assign(0, index, adjusted, IndexingUpdateOp::Assign)
+        .reshape([s, v])
+}
+
+/// Samples one token per row of `logits [rows, V]` (f32). `counters[r]` is the position of the
+/// token being drawn (it keys the row's random stream).
+pub fn sample(
+    logits: Tensor<2>,
+    rows: &[SamplerRow<'_>],
+    counters: &[u32],
+) -> Result<Vec<Sampled>> {
+    let raw = rows
+        .iter()
+        .any(|r| r.params.logprobs.is_some())
+        .then(|| logits.clone());
+    let logits = apply_penalties(logits, rows);
+    let kernel_rows: Vec<SamplingRow> = rows
+        .iter()
+        .zip(counters)
+        .map(|(r, &counter)| SamplingRow {
+            temperature: r.params.temperature,
+            top_k: r.params.top_k,
+            top_p: r.params.top_p,
+            min_p: r.params.min_p,
+            seed: r.seed,
+            counter,
+        })
+        .collect();
+    let ids = cubecl_kernels::sample(logits, &kernel_rows)?;
+    let ids: Vec<u32> = ids
+        .into_data()
+        .try_into_vec_as::<i64>()
+        .map_err(|e| cubecl_kernels::KernelError::Invalid(format!("sampled ids: {e:?}")))?
+        .into_iter()
+        .map(|t| t as u32)
+        .collect();
+    let mut out: Vec<Sampled> = ids
+        .iter()
+        .map(|&token_id| Sampled {
+            token_id,
+            logprobs: None,
+        })
+        .collect();
+    if let Some(raw) = raw {
+        let wanted: Vec<usize> = (0..rows.len())
+            .filter(|&r| rows[r].params.logprobs.is_some())
+            .collect();
+        let all = logprobs(raw, &wanted, rows, &ids)?;
+        for (r, lp) in wanted.into_iter().zip(all) {
+            out[r].logprobs = Some(lp);
+        }
+    }
+    Ok(out)
+}
+
+/// Log-softmax of the `wanted` rows of the raw logits: the sampled token's value and the top-n.
+fn logprobs(
+    raw: Tensor<2>,
+    wanted: &[usize],
+    rows: &[SamplerRow<'_>],
+    ids: &[u32],
+) -> Result<Vec<TokenLogprobs>> {
+    let device = raw.device();
+    let n = wanted.len();
+    let sel = Tensor::<1, Int>::from_data(
+        TensorData::new(wanted.iter().map(|&r| r as i64).collect::<Vec<_>>(), [n]),
+        &device,
+    );
+    let lsm = log_softmax(raw.select(0, sel), 1);
+    let picked = Tensor::<2, Int>::from_data(
+        TensorData::new(
+            wanted.iter().map(|&r| ids[r] as i64).collect::<Vec<_>>(),
+            [n, 1],
+        ),
+        &device,
+    );
+    let to_vec = |t: Tensor<2>| t.into_data().try_into_vec_as::<f32>();
+    let err = |e| cubecl_kernels::KernelError::Invalid(format!("logprobs: {e:?}"));
+    let sampled = to_vec(lsm.clone().gather(1, picked)).map_err(err)?;
+    let top_n = wanted
+        .iter()
+        .map(|&r| rows[r].params.logprobs.unwrap_or(0))
+        .max()
+        .unwrap_or(0);
+    let (top_v, top_i) = if top_n > 0 {
+        let (v, i) = lsm.topk_with_indices(top_n, 1);
+        (
+            to_vec(v).map_err(err)?,
+            i.into_data().try_into_vec_as::<i64>().map_err(err)?,
+        )
+    } else {
+        (Vec::new(), Vec::new())
+    };
+    Ok(wanted
+        .iter()
+        .enumerate()
+        .map(|(k, &r)| {
+            let want = rows[r].params.logprobs.unwrap_or(0);
+            TokenLogprobs {
+                token_id: ids[r],
+                logprob: sampled[k],
+                top: (0..want)
+                    .map(|j| (top_i[k * top_n + j] as u32, top_v[k * top_n + j]))
+                    .collect(),
+            }
+        })
+        .collect())
+}

@@ -1,0 +1,315 @@
+//! Continuous batching with chunked prefill (vLLM V1's policy): every step first gives each
+//! running sequence its tokens — one for a decoding sequence, a chunk of the remaining prompt
+//! for one still prefilling — then admits waiting sequences in arrival order with chunks of
+//! what is left of the token budget. One step therefore mixes decode tokens and prefill chunks,
+//! and a long prompt never stalls the running decodes.
+//!
+//! When the pool has no block for a running sequence, the newest running sequence is preempted
+//! (its blocks freed — full ones stay in the prefix cache — and it goes back to the front of
+//! the queue, to be recomputed). A sequence that cannot fit even alone fails with an
+//! out-of-blocks error; the others go on.
+
+use std::collections::{HashMap, VecDeque};
+
+use crate::block_manager::BlockManager;
+use crate::error::EngineError;
+use crate::sequence::{FinishReason, RequestId, Sequence, SequenceStatus};
+
+/// Batch limits of one step.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct SchedulerLimits {
+    /// Most sequences in a step (and running at once).
+    pub max_num_seqs: usize,
+    /// Most tokens computed in a step.
+    pub max_num_batched_tokens: usize,
+}
+
+/// One sequence's part of a step.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct ScheduledSeq {
+    /// The sequence.
+    pub id: RequestId,
+    /// Tokens computed for it in this step.
+    pub num_new_tokens: usize,
+    /// The step reaches the end of its tokens and samples the next one.
+    pub samples: bool,
+}
+
+/// What one step computes.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct SchedulerOutput {
+    /// One-token rows (decodes) first, then longer prefill chunks, in scheduling order.
+    pub seqs: Vec<ScheduledSeq>,
+    /// How many of `seqs` are one-token rows (they lead the list and take the decode kernel).
+    pub num_decodes: usize,
+    /// Sequences preempted while scheduling this step.
+    pub preempted: Vec<RequestId>,
+    /// Sequences that failed while scheduling (finished with an error; report them).
+    pub failed: Vec<RequestId>,
+}
+
+impl SchedulerOutput {
+    /// Tokens computed in the step.
+    pub fn num_tokens(&self) -> usize {
+        self.seqs.iter().map(|s| s.num_new_tokens).sum()
+    }
+
+    /// True if nothing is computed.
+    pub fn is_empty(&self) -> bool {
+        self.seqs.is_empty()
+    }
+}
+
+/// The waiting queue, the running set and the block pool.
+#[derive(Debug)]
+pub struct Scheduler {
+    limits: SchedulerLimits,
+    /// Every live sequence (waiting or running) and the finished ones not yet taken.
+    seqs: HashMap<RequestId, Sequence>,
+    waiting: VecDeque<RequestId>,
+    running: Vec<RequestId>,
+    block_manager: BlockManager,
+    num_preemptions: u64,
+}
+
+impl Scheduler {
+    /// A scheduler over `block_manager`'s pool.
+    pub fn new(limits: SchedulerLimits, block_manager: BlockManager) -> Self {
+        assert!(limits.max_num_seqs > 0 && limits.max_num_batched_tokens > 0);
+        Self {
+            limits,
+            seqs: HashMap::new(),
+            waiting: VecDeque::new(),
+            running: Vec::new(),
+            block_manager,
+            num_preemptions: 0,
+        }
+    }
+
+    /// Queues a new sequence.
+    pub fn add(&mut self, seq: Sequence) {
+        let id = seq.id;
+        debug_assert_eq!(seq.status, SequenceStatus::Waiting);
+        self.seqs.insert(id, seq);
+        self.waiting.push_back(id);
+    }
+
+    /// A live or finished-but-not-taken sequence.
+    pub fn get(&self, id: RequestId) -> Option<&Sequence> {
+        self.seqs.get(&id)
+    }
+
+    /// Mutable access (for the engine's post-processing).
+    pub fn get_mut(&mut self, id: RequestId) -> Option<&mut Sequence> {
+        self.seqs.get_mut(&id)
+    }
+
+    /// Removes a finished sequence and returns it.
+    pub fn take_finished(&mut self, id: RequestId) -> Option<Sequence> {
+        if self.seqs.get(&id)?.is_finished() {
+            self.seqs.remove(&id)
+        } else {
+            None
+        }
+    }
+
+    /// The pool.
+    pub fn block_manager(&self) -> &BlockManager {
+        &self.block_manager
+    }
+
+    /// Queued sequences.
+    pub fn num_waiting(&self) -> usize {
+        self.waiting.len()
+    }
+
+    /// Running sequences.
+    pub fn num_running(&self) -> usize {
+        self.running.len()
+    }
+
+    /// True while any sequence is waiting or running.
+    pub fn has_unfinished(&self) -> bool {
+        !self.waiting.is_empty() || !self.running.is_empty()
+    }
+
+    /// Preemptions so far.
+    pub fn num_preemptions(&self) -> u64 {
+        self.num_preemptions
+    }
+
+    /// The block tables of every sequence holding blocks (for invariant checks).
+    pub fn block_tables(&self) -> impl Iterator<Item = &[u32]> {
+        self.running
+            .iter()
+            .map(|id| self.seqs[id].block_table.as_slice())
+    }
+
+    /// Decides the next step.
+    pub fn schedule(&mut self) -> SchedulerOutput {
+        let mut out = SchedulerOutput::default();
+        let mut decodes = Vec::new();
+        let mut chunks = Vec::new();
+        let num_decoding = self
+            .running
+            .iter()
+            .filter(|id| self.seqs[id].num_new_tokens() == 1)
+            .count();
+        // Decodes first: the prefill chunks get what the running decodes leave.
+        let mut prefill_budget = self
+            .limits
+            .max_num_batched_tokens
+            .saturating_sub(num_decoding);
+        let mut i = 0;
+        while i < self.running.len() {
+            let id = self.running[i];
+            let num_new = self.seqs[&id].num_new_tokens();
+            let chunk = if num_new == 1 {
+                1
+            } else {
+                num_new.min(prefill_budget)
+            };
+            if chunk == 0 {
+                i += 1;
+                continue;
+            }
+            // Make room, preempting the newest running sequences.
+            let mut fits = true;
+            loop {
+                let need = self.block_manager.blocks_to_grow(&self.seqs[&id], chunk);
+                if need <= self.block_manager.num_free_blocks() {
+                    break;
+                }
+                let victim = *self.running.last().expect("the current sequence runs");
+                if victim != id {
+                    self.running.pop();
+                    self.preempt(victim, &mut out);
+                    continue;
+                }
+                fits = false;
+                if i == 0 {
+                    // Alone (every newer one is preempted, no older one exists) and still
+                    // too big: it can never run.
+                    self.running.pop();
+                    self.fail_out_of_blocks(id, chunk, &mut out);
+                } else {
+                    self.running.pop();
+                    self.preempt(id, &mut out);
+                }
+                break;
+            }
+            if !fits {
+                break;
+            }
+            let seq = self.seqs.get_mut(&id).expect("running sequence");
+            self.block_manager.grow(seq, chunk);
+            let scheduled = ScheduledSeq {
+                id,
+                num_new_tokens: chunk,
+                samples: chunk == num_new,
+            };
+            if num_new > 1 {
+                prefill_budget -= chunk;
+            }
+            // One-token rows (decodes, and chunks the budget cut to one) lead the batch.
+            if chunk == 1 {
+                decodes.push(scheduled);
+            } else {
+                chunks.push(scheduled);
+            }
+            i += 1;
+        }
+        // Admit waiting sequences in order while the budget, the batch and the pool allow (not
+        // in a step that had to preempt: the pool is short).
+        while out.preempted.is_empty()
+            && self.running.len() < self.limits.max_num_seqs
+            && prefill_budget > 0
+        {
+            let Some(&id) = self.waiting.front() else {
+                break;
+            };
+            let seq = &self.seqs[&id];
+            let hit = self.block_manager.find_prefix(&seq.token_ids);
+            let remaining = seq.num_tokens() - hit.blocks.len() * self.block_manager.block_size();
+            let chunk = remaining.min(prefill_budget);
+            if self.block_manager.blocks_to_admit(&hit, chunk)
+                > self.block_manager.num_free_blocks()
+            {
+                break;
+            }
+            self.waiting.pop_front();
+            let seq = self.seqs.get_mut(&id).expect("waiting sequence");
+            self.block_manager.admit(seq, hit, chunk);
+            seq.status = SequenceStatus::Running;
+            self.running.push(id);
+            let scheduled = ScheduledSeq {
+                id,
+                num_new_tokens: chunk,
+                samples: chunk == remaining,
+            };
+            prefill_budget -= chunk;
+            if chunk == 1 {
+                decodes.push(scheduled);
+            } else {
+                chunks.push(scheduled);
+            }
+        }
+        out.num_decodes = decodes.len();
+        out.seqs = decodes;
+        out.seqs.extend(chunks);
+        out
+    }
+
+    /// Moves a running sequence (already out of `running`) back to the front of the queue.
+    fn preempt(&mut self, id: RequestId, out: &mut SchedulerOutput) {
+        let seq = self.seqs.get_mut(&id).expect("preempted sequence");
+        self.block_manager.free(seq);
+        seq.status = SequenceStatus::Waiting;
+        seq.num_preemptions += 1;
+        self.num_preemptions += 1;
+        self.waiting.push_front(id);
+        out.preempted.push(id);
+    }
+
+    fn fail_out_of_blocks(&mut self, id: RequestId, chunk: usize, out: &mut SchedulerOutput) {
+        let bm = &self.block_manager;
+        let seq = &self.seqs[&id];
+        let tokens = seq.num_computed_tokens + chunk;
+        let message = EngineError::OutOfKvBlocks {
+            tokens,
+            needed: bm.blocks_for(tokens),
+            block_size: bm.block_size(),
+            available: bm.num_blocks(),
+        }
+        .to_string();
+        self.finish(id, FinishReason::Error(message));
+        out.failed.push(id);
+    }
+
+    /// Records that the step computed the scheduled tokens, and registers full blocks in the
+    /// prefix cache.
+    pub fn on_computed(&mut self, scheduled: &ScheduledSeq) {
+        if let Some(seq) = self.seqs.get_mut(&scheduled.id) {
+            seq.num_computed_tokens += scheduled.num_new_tokens;
+            self.block_manager.cache_full_blocks(seq);
+        }
+    }
+
+    /// Ends a waiting or running sequence: frees its blocks and leaves it to be taken.
+    pub fn finish(&mut self, id: RequestId, reason: FinishReason) {
+        let Some(seq) = self.seqs.get_mut(&id) else {
+            return;
+        };
+        if seq.is_finished() {
+            return;
+        }
+        match seq.status {
+            SequenceStatus::Waiting => self.waiting.retain(|&w| w != id),
+            SequenceStatus::Running => self.running.retain(|&r| r != id),
+            SequenceStatus::Finished => {}
+        }
+        self.block_manager.free(seq);
+        seq.status = SequenceStatus::Finished;
+        seq.finish_reason = Some(reason);
+    }
+}

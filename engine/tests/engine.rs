@@ -1,0 +1,11 @@
+//! Engine tests on the CPU: the block manager and scheduler (unit and property tests), the
+//! sampler against its host reference, and generation through `LLMEngine` against the
+//! transformers goldens of the tiny fixtures. One test binary (modules below) for link time.
+
+mod engine {
+    mod block_manager;
+    pub mod common;
+    mod generation;
+    mod sampler;
+    mod scheduler;
+}

@@ -1,0 +1,96 @@
+//! The engine's sampler: penalties and bans on the device against the host reference.
+
+use std::sync::Arc;
+
+use burn::tensor::{DType, Device, Tensor, TensorData};
+use engine::SamplingParams;
+use engine::sampler::{SamplerRow, apply_penalties, apply_penalties_host, sample};
+use rand::{Rng, SeedableRng, rngs::StdRng};
+
+fn rows_and_logits(vocab: usize) -> (Vec<Arc<SamplingParams>>, Vec<Vec<u32>>, Vec<f32>) {
+    let mut rng = StdRng::seed_from_u64(5);
+    let params = vec![
+        Arc::new(SamplingParams {
+            repetition_penalty: 1.3,
+            ..SamplingParams::default()
+        }),
+        Arc::new(SamplingParams {
+            presence_penalty: 0.5,
+            frequency_penalty: 0.25,
+            ..SamplingParams::default()
+        }),
+        Arc::new(SamplingParams {
+            repetition_penalty: 0.8,
+            presence_penalty: -0.4,
+            frequency_penalty: 1.5,
+            ..SamplingParams::default()
+        }),
+        Arc::new(SamplingParams::default()),
+    ];
+    let histories: Vec<Vec<u32>> = (0..4)
+        .map(|_| {
+            (0..40)
+                .map(|_| rng.random_range(0..vocab as u32 / 4))
+                .collect()
+        })
+        .collect();
+    let logits = (0..4 * vocab)
+        .map(|_| rng.random::<f32>() * 8.0 - 4.0)
+        .collect();
+    (params, histories, logits)
+}
+
+fn check_penalties(device: &Device) {
+    let vocab = 300;
+    let (params, histories, logits) = rows_and_logits(vocab);
+    let rows: Vec<SamplerRow<'_>> = (0..4)
+        .map(|r| SamplerRow {
+            params: &params[r],
+            seed: 0,
+            prompt: &histories[r][..20],
+            output: &histories[r][20..],
+            banned: if r == 3 { vec![5, 17] } else { Vec::new() },
+        })
+        .collect();
+    let mut expected = logits.clone();
+    apply_penalties_host(&mut expected, vocab, &rows);
+    let t = Tensor::<2>::from_data(
+        TensorData::new(logits.clone(), [4, vocab]),
+        (device, DType::F32),
+    );
+    let got = apply_penalties(t, &rows)
+        .into_data()
+        .try_into_vec_as::<f32>()
+        .unwrap();
+    let mut changed = 0;
+    for (i, (g, e)) in got.iter().zip(&expected).enumerate() {
+        assert!(g == e || (g - e).abs() < 1e-6, "logit {i}: {g} vs {e}");
+        changed += (*e != logits[i]) as usize;
+    }
+    assert!(changed > 40, "the penalties changed only {changed} logits");
+    assert_eq!(got[3 * vocab + 5], f32::NEG_INFINITY);
+    // A banned token is never drawn, even greedily when it is the largest logit.
+    let mut peaked = logits.clone();
+    peaked[3 * vocab + 17] = 100.0;
+    let greedy = SamplingParams::greedy(1);
+    let row = [SamplerRow {
+        params: &greedy,
+        seed: 0,
+        prompt: &[],
+        output: &[],
+        banned: vec![17],
+    }];
+    let t = Tensor::<2>::from_data(
+        TensorData::new(peaked[3 * vocab..].to_vec(), [1, vocab]),
+        (device, DType::F32),
+    );
+    let out = sample(t, &row, &[0]).unwrap();
+    assert_ne!(out[0].token_id, 17);
+}
+
+#[test]
+fn penalties_match_the_host_reference() {
+    check_penalties(&Device::flex());
+    check_penalties(&engine::DeviceKind::CubeclCpu.device().unwrap());
+    check_penalties(&super::common::test_device().device().unwrap());
+}
