@@ -42,6 +42,10 @@ pub fn nano(
     let mut llm = build(setup, device, dtype)?;
     let load_s = start.elapsed().as_secs_f64();
     let limits = llm.engine().limits().clone();
+    eprintln!("decode graphs {:?}", limits.graph_sizes);
+    for f in &limits.graph_failures {
+        eprintln!("graph capture refused: {f}");
+    }
     let mut work = nano_bench(num_seqs, 1024, 1024);
     // Smoke runs use a smaller vocabulary than bench.py's ids (< 10001).
     let vocab = setup.config.vocab_size as u32;
@@ -87,6 +91,7 @@ pub fn nano(
             "steps",
             "graph_steps",
             "preemptions",
+            "prefill_steps",
             "prefill_s",
             "decode_s",
             "host_ms_per_step",
@@ -108,6 +113,7 @@ pub fn nano(
         json!(steps),
         json!(stats.graph_steps - before.graph_steps),
         json!(stats.preemptions - before.preemptions),
+        json!(stats.prefill_steps - before.prefill_steps),
         json!((stats.prefill_time - before.prefill_time).as_secs_f64()),
         json!((stats.decode_time - before.decode_time).as_secs_f64()),
         json!(ms_per_step(stats.host_time - before.host_time)),

@@ -10,15 +10,16 @@
 
 use std::sync::{Arc, Mutex};
 
-use burn::tensor::{DType, Device, Graph, Int, Tensor, TensorData, capture};
+use burn::backend::{Backend, BackendGraph, Dispatch};
+use burn::tensor::{DType, Device, Int, Tensor, TensorData};
 use cubecl_kernels::{AttentionMetadata, DecodeTensors, MetadataTensors, write_ints};
 use model_qwen2::{KvCache, LogitsRows, Qwen2Model};
 
 use crate::error::{EngineError, Result};
 use crate::model_runner::StepSeq;
 
-type Forward = Box<dyn FnMut() -> Tensor<2> + Send>;
-
+/// One bucket: its input buffers, the captured graph, its output and what the graph reads
+/// (kept alive as long as the graph: a replay uses their buffers).
 struct DecodeGraph {
     batch: usize,
     input_ids: Tensor<1, Int>,
@@ -26,26 +27,53 @@ struct DecodeGraph {
     slots: Tensor<1, Int>,
     context_lens: Tensor<1, Int>,
     tables: Tensor<1, Int>,
-    graph: Graph<Tensor<2>, Forward>,
+    graph: BackendGraph<Dispatch>,
+    logits: Tensor<2>,
+    _meta: AttentionMetadata,
+}
+
+/// Records `forward` as a hardware graph: a few warm-up runs (autotuning, fused-kernel
+/// compilation and every allocation happen there), then one run under capture. Returns the
+/// graph and the output of the captured run, whose buffer every replay rewrites.
+fn capture(
+    device: &Device,
+    mut forward: impl FnMut() -> Tensor<2>,
+) -> Result<(BackendGraph<Dispatch>, Tensor<2>), String> {
+    let d = device.as_dispatch();
+    let err = |what: &str, e: &dyn std::fmt::Debug| format!("{what}: {e:?}");
+    Dispatch::graph_prepare(d).map_err(|e| err("prepare", &e))?;
+    for _ in 0..3 {
+        // Keep the output until the sync: a lazy backend skips work whose result is dropped.
+        let out = forward();
+        Dispatch::sync(d).map_err(|e| err("warm-up", &e))?;
+        drop(out);
+    }
+    Dispatch::graph_start_capture(d).map_err(|e| err("start", &e))?;
+    let out = forward();
+    let graph = Dispatch::graph_stop_capture(d).map_err(|e| err("stop", &e))?;
+    Ok((graph, out))
 }
 
 /// The captured decode graphs of a model, by batch size.
 pub(crate) struct DecodeGraphs {
     graphs: Vec<DecodeGraph>,
+    device: Device,
     width: usize,
     block_size: usize,
+    failures: Vec<String>,
 }
 
-/// Batch sizes to capture up to `max_num_seqs`: 1, 2, 4, 8, 16, then steps of 16 to 64 and
-/// of 32 beyond (a padded row costs a whole row of the step; finer buckets cost memory).
+/// Batch sizes to capture up to `max_num_seqs`: 1, 8, 32, then four steps up to
+/// `max_num_seqs` (64, 128, 192, 256 for 256). Seven graphs: on the H100 CubeCL 0.11 refused
+/// every capture after the seventh of a process (its pools could not serve the recorded run:
+/// "no page may be added"), in either order; a padded row costs little next to that.
 pub(crate) fn bucket_sizes(max_num_seqs: usize) -> Vec<usize> {
-    let mut sizes = vec![1, 2, 4, 8, 16];
-    let mut b = 16;
-    while b < max_num_seqs {
-        b += if b < 64 { 16 } else { 32 };
-        sizes.push(b);
-    }
-    sizes.retain(|&s| s < max_num_seqs);
+    let step = (max_num_seqs / 4).next_multiple_of(32).max(64);
+    let mut sizes: Vec<usize> = [1, 8, 32]
+        .into_iter()
+        .chain((1..).map(|k| k * step).take_while(|&b| b < max_num_seqs))
+        .filter(|&b| b < max_num_seqs)
+        .collect();
     sizes.push(max_num_seqs);
     sizes
 }
@@ -56,8 +84,8 @@ fn ints(values: Vec<i32>, device: &Device) -> Tensor<1, Int> {
 }
 
 impl DecodeGraphs {
-    /// Captures one graph per size in `sizes`. Returns `None` when the device has no hardware
-    /// graphs (the engine then runs decode steps eagerly).
+    /// Captures one graph per size in `sizes`. Fails with the backend's reason when a capture
+    /// is refused.
     pub(crate) fn capture(
         model: &Arc<Qwen2Model>,
         cache: &Arc<Mutex<KvCache>>,
@@ -65,10 +93,12 @@ impl DecodeGraphs {
         sizes: &[usize],
         block_size: usize,
         max_model_len: usize,
-    ) -> Result<Option<Self>> {
+    ) -> Result<Self> {
         let width = max_model_len.div_ceil(block_size);
         let mut graphs = Vec::with_capacity(sizes.len());
-        for &b in sizes {
+        let mut failures = Vec::new();
+        // Largest first: its warm-up grows the pools the most.
+        for &b in sizes.iter().rev() {
             let input_ids = ints(vec![0; b], device);
             let positions = ints(vec![0; b], device);
             let slots = ints(vec![-1; b], device);
@@ -93,30 +123,47 @@ impl DecodeGraphs {
                 },
             )
             .with_context_bound(max_model_len);
-            let (model, cache, ids) = (model.clone(), cache.clone(), input_ids.clone());
-            let forward: Forward = Box::new(move || {
+            let captured = capture(device, || {
                 let mut cache = cache.lock().expect("KV cache lock");
-                model.forward(ids.clone(), &meta, &mut cache, LogitsRows::All)
+                model.forward(input_ids.clone(), &meta, &mut cache, LogitsRows::All)
             });
-            let graph = capture(device, forward);
-            if !graph.is_hardware() {
-                return Ok(None);
+            if let Err(e) = &captured {
+                failures.push(format!("batch {b}: {e}"));
             }
-            graphs.push(DecodeGraph {
-                batch: b,
-                input_ids,
-                positions,
-                slots,
-                context_lens,
-                tables,
-                graph,
-            });
+            if let Ok((graph, logits)) = captured {
+                graphs.push(DecodeGraph {
+                    batch: b,
+                    input_ids,
+                    positions,
+                    slots,
+                    context_lens,
+                    tables,
+                    graph,
+                    logits,
+                    _meta: meta,
+                });
+            }
         }
-        Ok(Some(Self {
+        if graphs.is_empty() {
+            return Err(EngineError::Device(format!(
+                "no decode graph could be captured: {}",
+                failures.join("; ")
+            )));
+        }
+        graphs.sort_by_key(|g| g.batch);
+        Ok(Self {
             graphs,
+            device: device.clone(),
             width,
             block_size,
-        }))
+            failures,
+        })
+    }
+
+    /// Buckets that could not be captured, with the backend's reason (their steps take the
+    /// next larger graph, or run eagerly).
+    pub(crate) fn failures(&self) -> &[String] {
+        &self.failures
     }
 
     /// The captured sizes.
@@ -158,11 +205,13 @@ impl DecodeGraphs {
         write_ints(&mut g.slots, &slots)?;
         write_ints(&mut g.context_lens, &context)?;
         write_ints(&mut g.tables, &tables)?;
-        // SAFETY: the graph reads the buffers above (kept alive here), the model's weights and
-        // the KV cache (kept alive by the closure it owns), and writes its own pinned
-        // intermediates; everything runs on the one device stream, and the logits are read
-        // (by the sampler) before the next replay.
-        let logits = unsafe { g.graph.replay() }.clone();
+        // SAFETY: the graph reads the buffers above and the metadata (kept alive with it), the
+        // model's weights and the KV cache (kept alive by the runner that owns these graphs),
+        // and writes its pinned intermediates and output; everything runs on the one device
+        // stream, and the logits are read (by the sampler) before the next replay.
+        unsafe { Dispatch::graph_replay(self.device.as_dispatch(), &g.graph) }
+            .map_err(|e| EngineError::Device(format!("decode graph replay: {e:?}")))?;
+        let logits = g.logits.clone();
         Ok(Some(if n == b {
             logits
         } else {

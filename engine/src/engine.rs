@@ -37,6 +37,8 @@ pub struct EngineLimits {
     pub dtype: DType,
     /// Batch sizes with a captured decode graph (empty: eager).
     pub graph_sizes: Vec<usize>,
+    /// Buckets whose capture the backend refused, with its reason.
+    pub graph_failures: Vec<String>,
 }
 
 /// The inference engine over one model on one device.
@@ -105,9 +107,18 @@ impl LLMEngine {
         }
         let dtype = model.dtype();
         let model = Arc::new(model);
+        // The memory the warm-up's activations take (kept by the pools): the eager steps need
+        // as much again once the decode graphs have pinned pages of their own.
+        let mut working_set = 0;
+        if let DeviceKind::Cuda(index) = config.device {
+            let before = memory::cuda_memory(index).map_or(0, |(free, _)| free);
+            warm_up(&model, &device, &config, max_model_len)?;
+            let after = memory::cuda_memory(index).map_or(0, |(free, _)| free);
+            working_set = before.saturating_sub(after);
+        }
         let num_kv_blocks = match config.num_kv_blocks {
             Some(n) => n,
-            None => size_kv_pool(&model, &device, &config, max_model_len)?,
+            None => size_kv_pool(&model, &config, max_model_len, working_set)?,
         };
         let cache = KvCache::new(
             &model_config,
@@ -142,6 +153,7 @@ impl LLMEngine {
             block_size: config.block_size,
             dtype,
             graph_sizes: runner.graph_sizes(),
+            graph_failures: runner.graph_failures(),
         };
         Ok(Self {
             rng: StdRng::seed_from_u64(config.seed),
@@ -386,6 +398,7 @@ impl LLMEngine {
         self.stats.host_time += (scheduled_at - start) + (end - ran_at);
         self.stats.step_time += end - start;
         if prefill {
+            self.stats.prefill_steps += 1;
             self.stats.prefill_time += end - start;
         } else {
             self.stats.decode_time += end - start;
@@ -566,13 +579,14 @@ fn generation_defaults(json: &serde_json::Value) -> SamplingParams {
 }
 
 /// The KV pool size when none is given: on CUDA, what fits in `gpu_memory_utilization` of the
-/// device after the weights, a profiling forward at the largest step and the decode graphs; on
-/// CPUs, `max_num_seqs` full-length sequences within `cpu_kv_cache_bytes`.
+/// device after the weights, the warm-up forwards (`working_set`, counted twice: the decode
+/// graphs pin pages the eager steps then cannot reuse) and the decode graphs; on CPUs,
+/// `max_num_seqs` full-length sequences within `cpu_kv_cache_bytes`.
 fn size_kv_pool(
     model: &Qwen2Model,
-    device: &Device,
     config: &EngineConfig,
     max_model_len: usize,
+    working_set: usize,
 ) -> Result<usize> {
     let dtype = model.dtype();
     let c = &model.config;
@@ -582,7 +596,6 @@ fn size_kv_pool(
         let fits = memory::blocks_in(config.cpu_kv_cache_bytes, c, bs, dtype);
         return Ok(most.min(fits).max(max_model_len.div_ceil(bs)));
     };
-    profile_forward(model, device, config, max_model_len)?;
     let (free, total) = memory::cuda_memory(index)
         .ok_or_else(|| EngineError::Device("cannot read the GPU's free memory".into()))?;
     let reserved = (total as f64 * (1.0 - config.gpu_memory_utilization as f64)) as usize;
@@ -594,7 +607,10 @@ fn size_kv_pool(
             .sum::<usize>()
             * memory::graph_bytes_per_row(c, dtype.size())
     };
-    let budget = free.saturating_sub(reserved).saturating_sub(graphs);
+    let budget = free
+        .saturating_sub(reserved)
+        .saturating_sub(graphs)
+        .saturating_sub(working_set);
     let blocks = memory::blocks_in(budget, c, bs, dtype);
     if blocks * bs < max_model_len {
         return Err(EngineError::Device(format!(
@@ -608,17 +624,38 @@ fn size_kv_pool(
     Ok(blocks)
 }
 
-/// A forward pass at the largest step the scheduler can build (`max_num_batched_tokens`
-/// prompt tokens, logits for `max_num_seqs` rows), so that activations and autotuned kernels
-/// take their memory before the KV pool is sized.
-fn profile_forward(
+/// Forward passes at every step size the scheduler builds, largest first: `max_num_batched_tokens`
+/// prompt tokens with logits for `max_num_seqs` rows (its activations take their memory before
+/// the KV pool is sized), then each power of two below it down to 16 tokens (the matrix
+/// products autotune per size class: here, not in the first requests' steps).
+fn warm_up(
     model: &Qwen2Model,
     device: &Device,
     config: &EngineConfig,
     max_model_len: usize,
 ) -> Result<()> {
+    let mut sizes = vec![config.max_num_batched_tokens];
+    let mut t = config.max_num_batched_tokens.next_power_of_two() / 2;
+    while t >= 16 {
+        sizes.push(t);
+        t /= 2;
+    }
+    for total in sizes {
+        warm_up_step(model, device, config, max_model_len, total)?;
+    }
+    Ok(())
+}
+
+/// One prefill forward of `total` tokens (sequences of up to `max_model_len − 1`) with logits
+/// for up to `max_num_seqs` rows, and the sampler over them.
+fn warm_up_step(
+    model: &Qwen2Model,
+    device: &Device,
+    config: &EngineConfig,
+    max_model_len: usize,
+    total: usize,
+) -> Result<()> {
     let bs = config.block_size;
-    let total = config.max_num_batched_tokens;
     let per_seq = (max_model_len - 1).min(total);
     let mut lens = Vec::new();
     let mut left = total;
@@ -644,12 +681,10 @@ fn profile_forward(
             t
         })
         .collect();
-    let meta = AttentionMetadata::prefill(lens.clone(), tables, bs, device)?;
+    let meta = AttentionMetadata::prefill(lens, tables, bs, device)?;
     let ids = vec![0u32; total];
-    let rows: Vec<i32> = (0..config.max_num_seqs)
-        .map(|r| ((r * total) / config.max_num_seqs) as i32)
-        .collect();
-    let n = rows.len();
+    let n = config.max_num_seqs.min(total);
+    let rows: Vec<i32> = (0..n).map(|r| ((r * total) / n) as i32).collect();
     let rows = Tensor::<1, Int>::from_data(TensorData::new(rows, [n]), (device, DType::I32));
     let logits = model.forward(
         model.input_ids(&ids, device)?,
@@ -670,6 +705,6 @@ fn profile_forward(
     sampler::sample(logits, &rows, &vec![0; n])?;
     device
         .sync()
-        .map_err(|e| EngineError::Device(format!("profiling forward: {e:?}")))?;
+        .map_err(|e| EngineError::Device(format!("warm-up forward: {e:?}")))?;
     Ok(())
 }

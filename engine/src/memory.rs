@@ -25,11 +25,16 @@ pub fn cuda_memory(_index: usize) -> Option<(usize, usize)> {
     None
 }
 
-/// Bytes the decode graphs keep pinned per batch row beyond the KV pool: the f32 and
-/// model-dtype logits and a margin for the row's activations.
+/// Bytes the decode graphs keep pinned per batch row beyond the KV pool: a recorded run
+/// cannot reuse the buffers it frees, so every activation of every layer stays, with the f32
+/// and model-dtype logits; doubled for the pools' page granularity.
 pub fn graph_bytes_per_row(config: &Qwen2Config, dtype_size: usize) -> usize {
-    config.vocab_size * (4 + dtype_size)
-        + 8 * (config.hidden_size + 2 * config.intermediate_size) * 4
+    let per_layer = (config.q_size() + 2 * config.kv_size())
+        + 3 * config.q_size()
+        + 3 * config.hidden_size
+        + 3 * config.intermediate_size;
+    2 * (config.vocab_size * (4 + dtype_size)
+        + config.num_hidden_layers * per_layer * dtype_size.max(4))
 }
 
 /// Blocks that fit in `budget` bytes.

@@ -63,14 +63,14 @@ impl ModelRunner {
         let block_size = cache.block_size();
         let cache = Arc::new(Mutex::new(cache));
         let graphs = if graphs && matches!(device_kind, DeviceKind::Cuda(_)) {
-            DecodeGraphs::capture(
+            Some(DecodeGraphs::capture(
                 &model,
                 &cache,
                 &device,
                 &bucket_sizes(max_num_seqs),
                 block_size,
                 max_model_len,
-            )?
+            )?)
         } else {
             None
         };
@@ -99,6 +99,14 @@ impl ModelRunner {
         self.graphs
             .as_ref()
             .map(DecodeGraphs::sizes)
+            .unwrap_or_default()
+    }
+
+    /// Decode-graph buckets that could not be captured, with the reason.
+    pub fn graph_failures(&self) -> Vec<String> {
+        self.graphs
+            .as_ref()
+            .map(|g| g.failures().to_vec())
             .unwrap_or_default()
     }
 

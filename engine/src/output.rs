@@ -64,6 +64,8 @@ pub struct EngineStats {
     pub prepare_time: Duration,
     /// Wall time inside `step`.
     pub step_time: Duration,
+    /// Steps that had prefill tokens.
+    pub prefill_steps: u64,
     /// Time spent in steps that had prefill tokens.
     pub prefill_time: Duration,
     /// Time spent in decode-only steps.

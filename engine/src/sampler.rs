@@ -9,7 +9,7 @@ use std::collections::BTreeMap;
 use burn::tensor::{DType, IndexingUpdateOp, Int, Tensor, TensorData, activation::log_softmax};
 use cubecl_kernels::SamplingRow;
 
-use crate::error::Result;
+use crate::error::{EngineError, Result};
 use crate::sampling_params::SamplingParams;
 
 /// What the sampler needs of one row's request.
@@ -170,10 +170,9 @@ pub fn sample(
         })
         .collect();
     let ids = cubecl_kernels::sample(logits, &kernel_rows)?;
-    let ids: Vec<u32> = ids
-        .into_data()
+    let ids: Vec<u32> = read(ids.try_into_data(), "sampled ids")?
         .try_into_vec_as::<i64>()
-        .map_err(|e| cubecl_kernels::KernelError::Invalid(format!("sampled ids: {e:?}")))?
+        .map_err(|e| EngineError::Device(format!("sampled ids: {e:?}")))?
         .into_iter()
         .map(|t| t as u32)
         .collect();
@@ -217,9 +216,13 @@ fn logprobs(
         ),
         &device,
     );
-    let to_vec = |t: Tensor<2>| t.into_data().try_into_vec_as::<f32>();
-    let err = |e| cubecl_kernels::KernelError::Invalid(format!("logprobs: {e:?}"));
-    let sampled = to_vec(lsm.clone().gather(1, picked)).map_err(err)?;
+    let err = |e: burn::tensor::DataError| EngineError::Device(format!("logprobs: {e:?}"));
+    let to_vec = |t: Tensor<2>| -> Result<Vec<f32>> {
+        read(t.try_into_data(), "logprobs")?
+            .try_into_vec_as::<f32>()
+            .map_err(err)
+    };
+    let sampled = to_vec(lsm.clone().gather(1, picked))?;
     let top_n = wanted
         .iter()
         .map(|&r| rows[r].params.logprobs.unwrap_or(0))
@@ -228,8 +231,10 @@ fn logprobs(
     let (top_v, top_i) = if top_n > 0 {
         let (v, i) = lsm.topk_with_indices(top_n, 1);
         (
-            to_vec(v).map_err(err)?,
-            i.into_data().try_into_vec_as::<i64>().map_err(err)?,
+            to_vec(v)?,
+            read(i.try_into_data(), "logprobs")?
+                .try_into_vec_as::<i64>()
+                .map_err(err)?,
         )
     } else {
         (Vec::new(), Vec::new())
@@ -248,4 +253,13 @@ fn logprobs(
             }
         })
         .collect())
+}
+
+/// A device read, its failure (an out-of-memory or a failed kernel of the step) as an engine
+/// error rather than a panic.
+fn read(
+    data: std::result::Result<TensorData, burn::backend::ExecutionError>,
+    what: &str,
+) -> Result<TensorData> {
+    data.map_err(|e| EngineError::Device(format!("{what}: {e}")))
 }

@@ -396,7 +396,12 @@ fn decode_graphs_match_eager_steps_as_contexts_grow() {
     let mut graphed = engine_on(name, device, config);
     let got = run_all(&mut graphed, requests());
     if matches!(device, DeviceKind::Cuda(_)) {
-        assert_eq!(graphed.limits().graph_sizes, vec![1, 2, 4]);
+        assert_eq!(
+            graphed.limits().graph_sizes,
+            vec![1, 4],
+            "{:?}",
+            graphed.limits().graph_failures
+        );
         assert!(
             graphed.stats().graph_steps > 30,
             "decode steps replayed graphs"
