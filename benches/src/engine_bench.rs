@@ -60,6 +60,7 @@ pub fn nano(
     let before = llm.engine().stats();
     let (wall, outs) = timed_generate(&mut llm, &work, 0.6)?;
     let stats = llm.engine().stats();
+    print_step_profile(llm.engine().step_records());
     if let Some((o, w)) = outs
         .iter()
         .zip(&work)
@@ -76,6 +77,8 @@ pub fn nano(
     let output_tokens: usize = work.iter().map(|w| w.max_tokens).sum();
     let steps = stats.steps - before.steps;
     let ms_per_step = |d: std::time::Duration| d.as_secs_f64() * 1e3 / steps.max(1) as f64;
+    let graph_steps = (stats.graph_steps - before.graph_steps).max(1);
+    let per_graph = |d: std::time::Duration| d.as_secs_f64() * 1e3 / graph_steps as f64;
     let mut report = Report::new(
         &format!("engine nano-vLLM bench.py {} {dtype:?}", setup.model),
         &[
@@ -96,6 +99,10 @@ pub fn nano(
             "decode_s",
             "host_ms_per_step",
             "prepare_ms_per_step",
+            "sample_ms_per_step",
+            "graph_build_ms",
+            "graph_write_ms",
+            "graph_replay_ms",
             "kv_blocks",
             "load_s",
         ],
@@ -118,6 +125,16 @@ pub fn nano(
         json!((stats.decode_time - before.decode_time).as_secs_f64()),
         json!(ms_per_step(stats.host_time - before.host_time)),
         json!(ms_per_step(stats.prepare_time - before.prepare_time)),
+        json!(ms_per_step(stats.sample_time - before.sample_time)),
+        json!(per_graph(
+            stats.graph_timings.build - before.graph_timings.build
+        )),
+        json!(per_graph(
+            stats.graph_timings.write - before.graph_timings.write
+        )),
+        json!(per_graph(
+            stats.graph_timings.replay - before.graph_timings.replay
+        )),
         json!(limits.num_kv_blocks),
         json!(load_s),
     ]);
@@ -146,4 +163,55 @@ fn timed_generate(
     let start = Instant::now();
     let outs = llm.generate(&prompts, &params)?;
     Ok((start.elapsed().as_secs_f64(), outs))
+}
+
+/// The mean time of each phase, for prefill (mixed) steps and for decode steps by batch size
+/// class, and the slowest prefill steps.
+fn print_step_profile(records: &[burn_nanovllm::StepRecord]) {
+    let ms = |d: std::time::Duration| d.as_secs_f64() * 1e3;
+    let mut classes: Vec<(String, Vec<&burn_nanovllm::StepRecord>)> = vec![(
+        "prefill".into(),
+        records
+            .iter()
+            .filter(|r| r.num_tokens > r.num_seqs)
+            .collect(),
+    )];
+    for (lo, hi) in [(1, 32), (33, 128), (129, 256), (257, usize::MAX)] {
+        classes.push((
+            format!("decode {lo}-{hi}"),
+            records
+                .iter()
+                .filter(|r| r.num_tokens == r.num_seqs && (lo..=hi).contains(&r.num_seqs))
+                .collect(),
+        ));
+    }
+    eprintln!("step profile (ms per step): class, steps, schedule, forward, sample, post");
+    for (name, rs) in classes.iter().filter(|(_, rs)| !rs.is_empty()) {
+        let n = rs.len() as f64;
+        let mean = |f: fn(&burn_nanovllm::StepRecord) -> std::time::Duration| {
+            rs.iter().map(|r| ms(f(r))).sum::<f64>() / n
+        };
+        eprintln!(
+            "{name}, {}, {:.3}, {:.3}, {:.3}, {:.3}",
+            rs.len(),
+            mean(|r| r.schedule),
+            mean(|r| r.forward),
+            mean(|r| r.sample),
+            mean(|r| r.post)
+        );
+    }
+    for r in records
+        .iter()
+        .filter(|r| r.num_tokens > r.num_seqs)
+        .take(20)
+    {
+        eprintln!(
+            "prefill step: {} seqs ({} decode rows), {} tokens: forward {:.1} ms, sample {:.1} ms",
+            r.num_seqs,
+            r.num_decodes,
+            r.num_tokens,
+            ms(r.forward),
+            ms(r.sample)
+        );
+    }
 }

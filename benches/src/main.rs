@@ -174,6 +174,7 @@ fn main() -> Result<()> {
                 max_num_seqs: cli.max_num_seqs,
                 max_num_batched_tokens: cli.max_num_batched_tokens,
                 enforce_eager: cli.enforce_eager,
+                record_steps: true,
                 ..burn_nanovllm::EngineConfig::default()
             },
         };

@@ -17,7 +17,7 @@ mod llm;
 pub use cubecl_kernels::DeviceKind;
 pub use engine::{
     EngineConfig, EngineStats, FinishReason, LLMEngine, RequestId, RequestMetrics, RequestOutput,
-    SamplingParams, TokenLogprobs,
+    SamplingParams, StepRecord, TokenLogprobs,
 };
 pub use error::{LlmError, Result};
 pub use llm::{Completion, LLM, ParamsFor, Prompt};

@@ -57,7 +57,7 @@ struct EngineArgs {
     /// Tokens per KV block.
     #[arg(long, default_value_t = 16)]
     block_size: usize,
-    /// KV blocks in the pool (default: sized from free GPU memory, or 1 GiB on CPUs).
+    /// KV blocks in the pool (default: sized from free GPU memory, or 256 MiB on CPUs).
     #[arg(long)]
     num_kv_blocks: Option<usize>,
     /// Fraction of GPU memory the engine may use.

@@ -33,6 +33,8 @@ pub struct EngineConfig {
     pub enable_prefix_caching: bool,
     /// Seed from which requests without their own seed get one.
     pub seed: u64,
+    /// Keep a [`crate::StepRecord`] of every step (benchmarks, profiling).
+    pub record_steps: bool,
 }
 
 impl Default for EngineConfig {
@@ -46,10 +48,11 @@ impl Default for EngineConfig {
             block_size: 16,
             num_kv_blocks: None,
             gpu_memory_utilization: 0.9,
-            cpu_kv_cache_bytes: 1 << 30,
+            cpu_kv_cache_bytes: 256 << 20,
             enforce_eager: false,
             enable_prefix_caching: true,
             seed: 0,
+            record_steps: false,
         }
     }
 }

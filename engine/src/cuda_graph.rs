@@ -61,6 +61,18 @@ pub(crate) struct DecodeGraphs {
     width: usize,
     block_size: usize,
     failures: Vec<String>,
+    timings: GraphTimings,
+}
+
+/// Host time of the graph steps, by phase.
+#[derive(Clone, Copy, Debug, Default, PartialEq)]
+pub struct GraphTimings {
+    /// Building the input rows.
+    pub build: std::time::Duration,
+    /// Writing them into the graph's buffers.
+    pub write: std::time::Duration,
+    /// Launching the replay.
+    pub replay: std::time::Duration,
 }
 
 /// Batch sizes to capture up to `max_num_seqs`: 1, 8, 32, then four steps up to
@@ -157,7 +169,13 @@ impl DecodeGraphs {
             width,
             block_size,
             failures,
+            timings: GraphTimings::default(),
         })
+    }
+
+    /// Host time of the graph steps so far.
+    pub(crate) fn timings(&self) -> GraphTimings {
+        self.timings
     }
 
     /// Buckets that could not be captured, with the backend's reason (their steps take the
@@ -179,6 +197,7 @@ impl DecodeGraphs {
             return Ok(None);
         };
         let (b, width, bs) = (g.batch, self.width, self.block_size);
+        let start = std::time::Instant::now();
         let mut ids = vec![0i32; b];
         let mut positions = vec![0i32; b];
         let mut slots = vec![-1i32; b];
@@ -200,11 +219,13 @@ impl DecodeGraphs {
                 tables[r * width + j] = blk as i32;
             }
         }
+        let built = std::time::Instant::now();
         write_ints(&mut g.input_ids, &ids)?;
         write_ints(&mut g.positions, &positions)?;
         write_ints(&mut g.slots, &slots)?;
         write_ints(&mut g.context_lens, &context)?;
         write_ints(&mut g.tables, &tables)?;
+        let written = std::time::Instant::now();
         // SAFETY: the graph reads the buffers above and the metadata (kept alive with it), the
         // model's weights and the KV cache (kept alive by the runner that owns these graphs),
         // and writes its pinned intermediates and output; everything runs on the one device
@@ -212,6 +233,10 @@ impl DecodeGraphs {
         unsafe { Dispatch::graph_replay(self.device.as_dispatch(), &g.graph) }
             .map_err(|e| EngineError::Device(format!("decode graph replay: {e:?}")))?;
         let logits = g.logits.clone();
+        let t = &mut self.timings;
+        t.build += built - start;
+        t.write += written - built;
+        t.replay += written.elapsed();
         Ok(Some(if n == b {
             logits
         } else {

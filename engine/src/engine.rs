@@ -18,7 +18,7 @@ use crate::detokenizer::Detokenizer;
 use crate::error::{EngineError, Result};
 use crate::memory;
 use crate::model_runner::{ModelRunner, StepSeq};
-use crate::output::{EngineStats, RequestMetrics, RequestOutput};
+use crate::output::{EngineStats, RequestMetrics, RequestOutput, StepRecord};
 use crate::sampler::{self, SamplerRow};
 use crate::sampling_params::SamplingParams;
 use crate::scheduler::{Scheduler, SchedulerLimits};
@@ -57,6 +57,7 @@ pub struct LLMEngine {
     next_id: RequestId,
     rng: StdRng,
     stats: EngineStats,
+    records: Vec<StepRecord>,
 }
 
 impl LLMEngine {
@@ -170,6 +171,7 @@ impl LLMEngine {
             stream_text: false,
             next_id: 0,
             stats: EngineStats::default(),
+            records: Vec::new(),
         })
     }
 
@@ -231,7 +233,13 @@ impl LLMEngine {
         let r = self.runner.stats();
         s.graph_steps = r.graph_steps;
         s.prepare_time = r.prepare_time;
+        s.graph_timings = r.graph_timings;
         s
+    }
+
+    /// The steps recorded so far (with `EngineConfig::record_steps`).
+    pub fn step_records(&self) -> &[StepRecord] {
+        &self.records
     }
 
     /// Requests waiting to be scheduled.
@@ -346,7 +354,10 @@ impl LLMEngine {
                 }
             })
             .collect();
+        let graph_steps = self.runner.stats().graph_steps;
         let logits = self.runner.forward(&seqs)?;
+        let forwarded_at = Instant::now();
+        let graph = self.runner.stats().graph_steps > graph_steps;
         drop(seqs);
         let sampled_ids: Vec<RequestId> = sched
             .seqs
@@ -354,6 +365,7 @@ impl LLMEngine {
             .filter(|s| s.samples)
             .map(|s| s.id)
             .collect();
+        let sample_start = Instant::now();
         let sampled = match logits {
             Some(logits) => {
                 let seqs: Vec<&Sequence> = sampled_ids
@@ -376,6 +388,7 @@ impl LLMEngine {
             None => Vec::new(),
         };
         let ran_at = Instant::now();
+        self.stats.sample_time += ran_at - sample_start;
         let mut prefill = false;
         for s in &sched.seqs {
             if s.num_new_tokens > 1 || !s.samples || self.is_prompt_token(s.id) {
@@ -402,6 +415,18 @@ impl LLMEngine {
             self.stats.prefill_time += end - start;
         } else {
             self.stats.decode_time += end - start;
+        }
+        if self.config.record_steps {
+            self.records.push(StepRecord {
+                num_seqs: sched.seqs.len(),
+                num_decodes: sched.num_decodes,
+                num_tokens: sched.num_tokens(),
+                graph,
+                schedule: scheduled_at - start,
+                forward: forwarded_at - scheduled_at,
+                sample: ran_at - sample_start,
+                post: end - ran_at,
+            });
         }
         Ok(outputs)
     }
@@ -626,45 +651,55 @@ fn size_kv_pool(
 
 /// Forward passes at every step size the scheduler builds, largest first: `max_num_batched_tokens`
 /// prompt tokens with logits for `max_num_seqs` rows (its activations take their memory before
-/// the KV pool is sized), then each power of two below it down to 16 tokens (the matrix
-/// products autotune per size class: here, not in the first requests' steps).
+/// the KV pool is sized), then mixed steps (decode rows and a prefill chunk, as most steps are)
+/// of about each power of two below it down to 16 tokens: the matrix products autotune per size
+/// class and compile per vector width, and the fused kernels per op pattern, here rather than
+/// in the first requests' steps.
 fn warm_up(
     model: &Qwen2Model,
     device: &Device,
     config: &EngineConfig,
     max_model_len: usize,
 ) -> Result<()> {
-    let mut sizes = vec![config.max_num_batched_tokens];
-    let mut t = config.max_num_batched_tokens.next_power_of_two() / 2;
-    while t >= 16 {
-        sizes.push(t);
-        t /= 2;
-    }
-    for total in sizes {
-        warm_up_step(model, device, config, max_model_len, total)?;
+    let max = config.max_num_batched_tokens;
+    warm_up_step(model, device, config, max_model_len, max, 0)?;
+    let mut t = max;
+    // Token counts off powers of two by 0, 1, 2 and 4 in turn: the products' vector widths
+    // follow the row count's alignment, and each width is a kernel of its own.
+    for offset in [0, 1, 2, 4].into_iter().cycle() {
+        if t < 16 {
+            break;
+        }
+        let total = t - offset.min(t - 1);
+        let decodes = config.max_num_seqs.min(total / 2);
+        warm_up_step(model, device, config, max_model_len, total, decodes)?;
+        t = t.next_power_of_two() / 2;
     }
     Ok(())
 }
 
-/// One prefill forward of `total` tokens (sequences of up to `max_model_len − 1`) with logits
-/// for up to `max_num_seqs` rows, and the sampler over them.
+/// One forward of `total` tokens: `decodes` one-token rows over 17-token contexts, then prefill
+/// sequences (of up to `max_model_len − 1` tokens) for the rest, with logits for up to
+/// `max_num_seqs` rows and the sampler over them.
 fn warm_up_step(
     model: &Qwen2Model,
     device: &Device,
     config: &EngineConfig,
     max_model_len: usize,
     total: usize,
+    decodes: usize,
 ) -> Result<()> {
     let bs = config.block_size;
+    let (mut queries, mut contexts) = (vec![1; decodes], vec![17.min(max_model_len - 1); decodes]);
     let per_seq = (max_model_len - 1).min(total);
-    let mut lens = Vec::new();
-    let mut left = total;
+    let mut left = total - decodes;
     while left > 0 {
         let l = per_seq.min(left);
-        lens.push(l);
+        queries.push(l);
+        contexts.push(l);
         left -= l;
     }
-    let blocks: Vec<usize> = lens.iter().map(|l| l.div_ceil(bs)).collect();
+    let blocks: Vec<usize> = contexts.iter().map(|l| l.div_ceil(bs)).collect();
     let mut cache = KvCache::new(
         &model.config,
         blocks.iter().sum(),
@@ -681,7 +716,7 @@ fn warm_up_step(
             t
         })
         .collect();
-    let meta = AttentionMetadata::prefill(lens, tables, bs, device)?;
+    let meta = AttentionMetadata::new(queries, contexts, tables, bs, device)?;
     let ids = vec![0u32; total];
     let n = config.max_num_seqs.min(total);
     let rows: Vec<i32> = (0..n).map(|r| ((r * total) / n) as i32).collect();

@@ -9,7 +9,7 @@ use burn::tensor::{DType, Device, Int, Tensor, TensorData};
 use cubecl_kernels::{AttentionMetadata, DeviceKind};
 use model_qwen2::{KvCache, LogitsRows, Qwen2Model};
 
-use crate::cuda_graph::{DecodeGraphs, bucket_sizes};
+use crate::cuda_graph::{DecodeGraphs, GraphTimings, bucket_sizes};
 use crate::error::Result;
 
 /// One sequence's part of a step, as the runner needs it.
@@ -36,6 +36,8 @@ pub struct RunnerStats {
     pub eager_steps: u64,
     /// Host time spent building inputs and enqueueing work (not waiting for the device).
     pub prepare_time: Duration,
+    /// Of the graph steps' host time: building rows, writing buffers, launching replays.
+    pub graph_timings: GraphTimings,
 }
 
 /// The model, its KV cache and (on CUDA) its decode graphs.
@@ -112,7 +114,14 @@ impl ModelRunner {
 
     /// Counters.
     pub fn stats(&self) -> RunnerStats {
-        self.stats
+        RunnerStats {
+            graph_timings: self
+                .graphs
+                .as_ref()
+                .map(DecodeGraphs::timings)
+                .unwrap_or_default(),
+            ..self.stats
+        }
     }
 
     /// Runs one step. `seqs` lists the decode rows (one new token each) first, then the

@@ -62,6 +62,10 @@ pub struct EngineStats {
     pub host_time: Duration,
     /// Host time in building inputs and enqueueing the forward pass.
     pub prepare_time: Duration,
+    /// Time in the sampler (waiting for the step's device work included).
+    pub sample_time: Duration,
+    /// Of the graph steps' host time: building rows, writing buffers, launching replays.
+    pub graph_timings: crate::cuda_graph::GraphTimings,
     /// Wall time inside `step`.
     pub step_time: Duration,
     /// Steps that had prefill tokens.
@@ -70,4 +74,25 @@ pub struct EngineStats {
     pub prefill_time: Duration,
     /// Time spent in decode-only steps.
     pub decode_time: Duration,
+}
+
+/// What one step did and where its time went (kept when `EngineConfig::record_steps` is set).
+#[derive(Clone, Copy, Debug, Default, PartialEq)]
+pub struct StepRecord {
+    /// Sequences in the step.
+    pub num_seqs: usize,
+    /// Of which one-token rows.
+    pub num_decodes: usize,
+    /// Tokens computed.
+    pub num_tokens: usize,
+    /// Replayed as a graph.
+    pub graph: bool,
+    /// Scheduling.
+    pub schedule: Duration,
+    /// Building inputs and enqueueing the forward pass.
+    pub forward: Duration,
+    /// Sampling, waiting for the device included.
+    pub sample: Duration,
+    /// Stop conditions and outputs.
+    pub post: Duration,
 }

@@ -331,11 +331,20 @@ impl AttentionLaunch {
     }
 }
 
-/// A buffer the op may write in place: the cache itself when nothing else holds it, else a copy.
+/// A buffer the op may write in place: the cache itself when nothing else holds it, else a copy
+/// (a whole layer's cache: a costly mistake of the caller, reported once per process).
 pub(crate) fn writable(t: CubeTensor) -> CubeTensor {
     if t.can_mut() && t.is_contiguous() {
         t
     } else {
+        static WARNED: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
+        if !WARNED.swap(true, std::sync::atomic::Ordering::Relaxed) {
+            eprintln!(
+                "warning: a KV cache of shape {:?} was copied before a write: another tensor \
+                 holds its buffer",
+                t.meta.shape()
+            );
+        }
         into_contiguous(t.copy())
     }
 }

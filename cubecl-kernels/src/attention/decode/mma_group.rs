@@ -29,7 +29,8 @@ pub struct MmaGroupConfig {
     pub kv_heads: usize,
     /// Planes (key streams) per cube.
     pub planes: usize,
-    pub splits: usize,
+    /// The context is split across cubes (their number is the grid's z extent).
+    pub split: bool,
 }
 
 impl MmaGroupConfig {
@@ -410,6 +411,6 @@ pub fn paged_decode_mma<F: Float, NV: Size>(
         cfg.group,
         cfg.head_dim,
         cfg.kv_heads,
-        cfg.splits,
+        cfg.split,
     );
 }

@@ -48,15 +48,16 @@ const MAX_SPLITS: usize = 64;
 
 /// Combines the splits: `out = Σ_s acc_s·e^(m_s − M) / Σ_s l_s·e^(m_s − M)`.
 ///
-/// Grid: one cube per (head, sequence); units over `D`.
+/// Grid: one cube per (head, sequence); units over `D`. The number of splits is a runtime
+/// value, so that batches of any size and context share one compiled kernel.
 #[cube(launch_unchecked)]
 pub fn combine_splits<F: Float>(
     part_acc: &Tensor<f32>,
     part_stats: &Tensor<f32>,
     out: &mut Tensor<F>,
+    splits: usize,
     #[comptime] heads: usize,
     #[comptime] head_dim: usize,
-    #[comptime] splits: usize,
     #[define(F)] _dtype: ElemType,
 ) {
     let h = CUBE_POS_X as usize;
@@ -84,8 +85,9 @@ pub fn combine_splits<F: Float>(
 
 /// Merges the states of a cube's key streams — `acc_s [streams][group][D]` (unnormalised
 /// outputs), `m_s`, `l_s [streams][group]` (running max and sum) — of one (kv head, sequence,
-/// split) and writes `out [B, heads, D]` (one split) or the split's partials for
-/// [`combine_splits`]. Units over `group × D`.
+/// split) and writes `out [B, heads, D]` (unsplit) or the split's partials for
+/// [`combine_splits`] (`is_split`: the grid's z extent is the number of splits). Units over
+/// `group × D`.
 #[cube]
 #[allow(clippy::too_many_arguments)]
 pub(super) fn write_merged<F: Float>(
@@ -99,7 +101,7 @@ pub(super) fn write_merged<F: Float>(
     #[comptime] group: usize,
     #[comptime] head_dim: usize,
     #[comptime] kv_heads: usize,
-    #[comptime] splits: usize,
+    #[comptime] is_split: bool,
 ) {
     let kvh = CUBE_POS_X as usize;
     let seq = CUBE_POS_Y as usize;
@@ -121,11 +123,11 @@ pub(super) fn write_merged<F: Float>(
             den += l_s[zz * group + g] * w;
         }
         let h = kvh * group + g;
-        if comptime!(splits == 1) {
+        if comptime!(!is_split) {
             let at = seq * out.stride(0) + h * out.stride(1) + j;
             out[at] = F::cast_from(num / den);
         } else {
-            let row = (seq * comptime!(group * kv_heads) + h) * splits + split;
+            let row = (seq * comptime!(group * kv_heads) + h) * (CUBE_COUNT_Z as usize) + split;
             part_acc[row * head_dim + j] = num;
             if j == 0 {
                 part_stats[row * 2] = big;
@@ -168,7 +170,7 @@ pub(crate) fn paged_decode(
         head_dim: d,
         kv_heads,
         planes: mma_planes_override().unwrap_or(MMA_PLANES),
-        splits: 1,
+        split: false,
     };
     let kernel = if (WIDE_GROUP..=16).contains(&group)
         && mma.planes > 0
@@ -183,7 +185,7 @@ pub(crate) fn paged_decode(
             head_dim: d,
             kv_heads,
             cube_dim: caps.cube_units,
-            splits: 1,
+            split: false,
             use_plane: caps.plane_ops,
         })
     } else {
@@ -258,15 +260,24 @@ pub(crate) fn paged_decode(
         match kernel {
             Kernel::Mma(cfg) => launch!(
                 mma_group::paged_decode_mma::launch_unchecked,
-                mma_group::MmaGroupConfig { splits, ..cfg }
+                mma_group::MmaGroupConfig {
+                    split: splits > 1,
+                    ..cfg
+                }
             ),
             Kernel::WideGroup(cfg) => launch!(
                 wide_group::paged_decode_wide_group::launch_unchecked,
-                wide_group::WideGroupConfig { splits, ..cfg }
+                wide_group::WideGroupConfig {
+                    split: splits > 1,
+                    ..cfg
+                }
             ),
             Kernel::RowSplit(cfg) => launch!(
                 row_split::paged_decode_row_split::launch_unchecked,
-                row_split::RowSplitConfig { splits, ..cfg }
+                row_split::RowSplitConfig {
+                    split: splits > 1,
+                    ..cfg
+                }
             ),
         }
         if splits > 1 {
@@ -277,9 +288,9 @@ pub(crate) fn paged_decode(
                 part_acc.into_tensor_arg(),
                 part_stats.into_tensor_arg(),
                 out.clone().into_tensor_arg(),
+                splits,
                 heads,
                 d,
-                splits,
                 dtype_to_storage_type(dtype),
             );
         }

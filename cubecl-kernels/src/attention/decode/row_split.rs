@@ -43,7 +43,8 @@ pub struct RowSplitConfig {
     pub tile: usize,
     /// `block_size % tile == 0`: a stream's tile lies in one cache block.
     pub tile_in_block: bool,
-    pub splits: usize,
+    /// The context is split across cubes (their number is the grid's z extent).
+    pub split: bool,
     /// Unroll the per-head and per-slot loops (GPUs: the arrays stay in registers).
     pub unroll: bool,
 }
@@ -247,7 +248,7 @@ pub fn paged_decode_row_split<F: Float, NV: Size>(
         cfg.group,
         cfg.head_dim,
         cfg.kv_heads,
-        cfg.splits,
+        cfg.split,
     );
 }
 
@@ -307,7 +308,7 @@ pub(super) fn row_split_config(
         streams,
         tile,
         tile_in_block: block_size.is_multiple_of(tile),
-        splits: 1,
+        split: false,
         unroll: caps.plane_ops,
     }
 }

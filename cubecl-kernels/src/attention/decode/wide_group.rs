@@ -23,7 +23,8 @@ pub struct WideGroupConfig {
     pub head_dim: usize,
     pub kv_heads: usize,
     pub cube_dim: usize,
-    pub splits: usize,
+    /// The context is split across cubes (their number is the grid's z extent).
+    pub split: bool,
     pub use_plane: bool,
 }
 
@@ -278,11 +279,11 @@ pub fn paged_decode_wide_group<F: Float, NV: Size>(
             a += red[(kg * group + g) * d + j];
         }
         let h = kvh * group + g;
-        if comptime!(cfg.splits == 1) {
+        if comptime!(!cfg.split) {
             let at = seq * out.stride(0) + h * out.stride(1) + j;
             out[at] = F::cast_from(a / l_tot[g]);
         } else {
-            let row = (seq * heads + h) * cfg.splits + split;
+            let row = (seq * heads + h) * (CUBE_COUNT_Z as usize) + split;
             part_acc[row * d + j] = a;
             if j == 0 {
                 part_stats[row * 2] = m[g];
