@@ -3,8 +3,8 @@
 //! ```no_run
 //! use burn_nanovllm::{EngineConfig, LLM, Prompt, SamplingParams};
 //!
-//! let mut llm = LLM::new("fixtures/qwen2-tiny-tied", EngineConfig::default())?;
-//! let out = llm.generate(&[Prompt::from("Hello, my name is")], &SamplingParams::greedy(16))?;
+//! let mut llm = LLM::new(burn_nanovllm::default_model_dir(), EngineConfig::default())?;
+//! let out = llm.generate(&[Prompt::from("Call me Ishmael.")], &SamplingParams::greedy(16))?;
 //! println!("{}", out[0].text.as_deref().unwrap_or_default());
 //! # Ok::<(), burn_nanovllm::LlmError>(())
 //! ```
@@ -22,3 +22,10 @@ pub use engine::{
 pub use error::{LlmError, Result};
 pub use llm::{Completion, LLM, ParamsFor, Prompt};
 pub use model_qwen2::ChatMessage;
+
+/// The default model: `models/tiny-english` of the source tree this crate was built from, a
+/// 7 M-parameter Qwen2 trained by `scripts/tiny-model` on public-domain English (see its
+/// README). Used where no model is named.
+pub fn default_model_dir() -> std::path::PathBuf {
+    std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../models/tiny-english")
+}

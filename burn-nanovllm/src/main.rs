@@ -7,7 +7,6 @@ use anyhow::{Context, Result, bail};
 use burn::tensor::DType;
 use burn_nanovllm::{DeviceKind, EngineConfig, FinishReason, LLM, Prompt, SamplingParams};
 use clap::{Args, Parser, Subcommand};
-use model_qwen2::{AttentionMetadata, KvCache, LogitsRows};
 
 #[derive(Parser)]
 #[command(
@@ -31,8 +30,9 @@ enum Command {
 
 #[derive(Args)]
 struct ModelArgs {
-    /// Hugging Face checkpoint folder (config.json, *.safetensors, tokenizer.json).
-    #[arg(long)]
+    /// Hugging Face checkpoint folder (config.json, *.safetensors, tokenizer.json); by default
+    /// the 7 M-parameter English model trained by scripts/tiny-model.
+    #[arg(long, default_value_os_t = burn_nanovllm::default_model_dir())]
     model: PathBuf,
     /// cpu (pure-Rust reference backend), cubecl-cpu, cuda or cuda:N.
     #[arg(long, default_value = "cpu")]
@@ -348,29 +348,14 @@ fn logits(args: LogitsArgs) -> Result<()> {
     let continuations = llm.generate(&greedy, &params)?;
     // Prompt logits at every position: one scoring forward per prompt.
     let engine = llm.engine();
-    let (model, device) = (engine.model(), engine.device());
+    let vocab = engine.model_config().vocab_size;
     let mut tensors: Vec<(String, safetensors::Dtype, Vec<usize>, Vec<u8>)> = Vec::new();
     for (i, ids) in prompts.iter().enumerate() {
-        let block_size = 16;
-        let blocks = ids.len().div_ceil(block_size);
-        let table: Vec<u32> = (0..blocks as u32).collect();
-        let mut cache = KvCache::new(&model.config, blocks, block_size, model.dtype(), device)?;
-        let meta = AttentionMetadata::prefill(vec![ids.len()], vec![table], block_size, device)?;
-        let logits = model.forward(
-            model.input_ids(ids, device)?,
-            &meta,
-            &mut cache,
-            LogitsRows::All,
-        );
-        let [l, v] = logits.dims();
-        let host = logits
-            .into_data()
-            .try_into_vec_as::<f32>()
-            .map_err(|e| anyhow::anyhow!("{e:?}"))?;
+        let host = engine.prompt_logits(ids)?;
         tensors.push((
             format!("prompt.{i}.logits"),
             safetensors::Dtype::F32,
-            vec![l, v],
+            vec![ids.len(), vocab],
             host.iter().flat_map(|x| x.to_le_bytes()).collect(),
         ));
         let out = &continuations[i];

@@ -276,20 +276,7 @@ impl LLMEngine {
     /// prompt larger than the whole KV pool, or invalid parameters.
     pub fn add_request(&mut self, prompt: Vec<u32>, params: SamplingParams) -> Result<RequestId> {
         params.validate()?;
-        if prompt.is_empty() {
-            return Err(EngineError::EmptyPrompt);
-        }
-        let vocab_size = self.model_config.vocab_size;
-        if let Some(&id) = prompt.iter().find(|&&t| t as usize >= vocab_size) {
-            return Err(EngineError::TokenOutOfVocab { id, vocab_size });
-        }
-        let max_model_len = self.limits.max_model_len;
-        if prompt.len() >= max_model_len {
-            return Err(EngineError::PromptTooLong {
-                len: prompt.len(),
-                max_model_len,
-            });
-        }
+        self.check_prompt(&prompt)?;
         let bm = self.scheduler.block_manager();
         let needed = bm.blocks_for(prompt.len() + 1);
         if needed > bm.num_blocks() {
@@ -309,6 +296,48 @@ impl LLMEngine {
         self.scheduler
             .add(Sequence::new(id, prompt, Arc::new(params), seed));
         Ok(id)
+    }
+
+    /// The logits of every position of `prompt` (token ids), `[prompt.len(), vocab]` row-major
+    /// f32 on the host: one scoring forward in a KV cache of its own, outside the engine's pool
+    /// and schedule (parity checks, prompt scoring). Fails as `add_request` does on a bad prompt.
+    pub fn prompt_logits(&self, prompt: &[u32]) -> Result<Vec<f32>> {
+        self.check_prompt(prompt)?;
+        let (model, device) = (self.runner.model(), self.runner.device());
+        let bs = self.limits.block_size;
+        let blocks = prompt.len().div_ceil(bs);
+        let table: Vec<u32> = (0..blocks as u32).collect();
+        let mut cache = KvCache::new(&self.model_config, blocks, bs, model.dtype(), device)?;
+        let meta = AttentionMetadata::prefill(vec![prompt.len()], vec![table], bs, device)?;
+        let logits = model.forward(
+            model.input_ids(prompt, device)?,
+            &meta,
+            &mut cache,
+            LogitsRows::All,
+        );
+        sampler::read(logits.try_into_data(), "prompt logits")?
+            .try_into_vec_as::<f32>()
+            .map_err(|e| EngineError::Device(format!("prompt logits: {e:?}")))
+    }
+
+    /// An empty prompt, an id outside the vocabulary or a prompt of `max_model_len` tokens or
+    /// more, as an error naming it.
+    fn check_prompt(&self, prompt: &[u32]) -> Result<()> {
+        if prompt.is_empty() {
+            return Err(EngineError::EmptyPrompt);
+        }
+        let vocab_size = self.model_config.vocab_size;
+        if let Some(&id) = prompt.iter().find(|&&t| t as usize >= vocab_size) {
+            return Err(EngineError::TokenOutOfVocab { id, vocab_size });
+        }
+        let max_model_len = self.limits.max_model_len;
+        if prompt.len() >= max_model_len {
+            return Err(EngineError::PromptTooLong {
+                len: prompt.len(),
+                max_model_len,
+            });
+        }
+        Ok(())
     }
 
     /// Ends a request; its output (finish reason `abort`) comes with the next step.
@@ -605,8 +634,11 @@ fn generation_defaults(json: &serde_json::Value) -> SamplingParams {
 
 /// The KV pool size when none is given: on CUDA, what fits in `gpu_memory_utilization` of the
 /// device after the weights, the warm-up forwards (`working_set`, counted twice: the decode
-/// graphs pin pages the eager steps then cannot reuse) and the decode graphs; on CPUs,
-/// `max_num_seqs` full-length sequences within `cpu_kv_cache_bytes`.
+/// graphs pin pages the eager steps then cannot reuse) and the decode graphs, but never more
+/// than twice what `max_num_seqs` full-length sequences need (the rest could only keep more
+/// cached prefixes; on an 80 GB GPU a 7 M-parameter model would otherwise ask for 70 GB in
+/// 6 GB tensors, and that allocation failed); on CPUs, `max_num_seqs` full-length sequences
+/// within `cpu_kv_cache_bytes`.
 fn size_kv_pool(
     model: &Qwen2Model,
     config: &EngineConfig,
@@ -616,8 +648,8 @@ fn size_kv_pool(
     let dtype = model.dtype();
     let c = &model.config;
     let bs = config.block_size;
+    let most = config.max_num_seqs * max_model_len.div_ceil(bs);
     let DeviceKind::Cuda(index) = config.device else {
-        let most = config.max_num_seqs * max_model_len.div_ceil(bs);
         let fits = memory::blocks_in(config.cpu_kv_cache_bytes, c, bs, dtype);
         return Ok(most.min(fits).max(max_model_len.div_ceil(bs)));
     };
@@ -636,7 +668,7 @@ fn size_kv_pool(
         .saturating_sub(reserved)
         .saturating_sub(graphs)
         .saturating_sub(working_set);
-    let blocks = memory::blocks_in(budget, c, bs, dtype);
+    let blocks = memory::blocks_in(budget, c, bs, dtype).min(2 * most);
     if blocks * bs < max_model_len {
         return Err(EngineError::Device(format!(
             "only {blocks} KV blocks of {bs} tokens fit in gpu_memory_utilization = {} of the \

@@ -257,7 +257,8 @@ fn logprobs(
 
 /// A device read, its failure (an out-of-memory or a failed kernel of the step) as an engine
 /// error rather than a panic.
-fn read(
+/// A device read, its failure as [`EngineError::Device`] naming `what` was read.
+pub(crate) fn read(
     data: std::result::Result<TensorData, burn::backend::ExecutionError>,
     what: &str,
 ) -> Result<TensorData> {

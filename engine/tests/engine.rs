@@ -1,10 +1,11 @@
 //! Engine tests on the CPU: the block manager and scheduler (unit and property tests), the
 //! sampler against its host reference, and generation through `LLMEngine` against the
-//! transformers goldens of the tiny fixtures. One test binary (modules below) for link time.
+//! transformers goldens of the tiny fixtures and of the trained default model. One test binary (modules below) for link time.
 
 mod engine {
     mod block_manager;
     pub mod common;
+    mod default_model;
     mod generation;
     mod sampler;
     mod scheduler;

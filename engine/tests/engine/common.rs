@@ -11,10 +11,18 @@ pub const CHECKPOINTS: [&str; 4] = [
     "qwen3-tiny-hd32",
 ];
 
+/// The default model (trained by scripts/tiny-model, real weights), under `models/`.
+pub const DEFAULT_MODEL: &str = "tiny-english";
+
+/// A checkpoint folder: `models/{name}` when there is one, else `fixtures/{name}`.
 pub fn fixture(name: &str) -> PathBuf {
-    Path::new(env!("CARGO_MANIFEST_DIR"))
-        .join("../fixtures")
-        .join(name)
+    let root = Path::new(env!("CARGO_MANIFEST_DIR")).join("..");
+    let model = root.join("models").join(name);
+    if model.is_dir() {
+        model
+    } else {
+        root.join("fixtures").join(name)
+    }
 }
 
 /// `golden.safetensors` and `golden.json` of a checkpoint (transformers, f32, CPU).
@@ -31,6 +39,14 @@ impl Golden {
             json: serde_json::from_str(&std::fs::read_to_string(dir.join("golden.json")).unwrap())
                 .unwrap(),
         }
+    }
+
+    /// Whether the goldens hold tensor `name`.
+    pub fn has(&self, name: &str) -> bool {
+        SafeTensors::deserialize(&self.bytes)
+            .unwrap()
+            .tensor(name)
+            .is_ok()
     }
 
     fn tensor<T>(&self, name: &str, width: usize, f: impl Fn(&[u8]) -> T) -> Vec<T> {

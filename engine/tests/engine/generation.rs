@@ -8,7 +8,7 @@ use super::common::*;
 
 /// Greedy ids of every golden prompt in one engine run (24-token steps: prompts are chunked
 /// and mixed with the other sequences' decodes), with the top-5 log-probabilities.
-fn check_goldens(name: &str, device: DeviceKind, alone_too: bool) {
+pub fn check_goldens(name: &str, device: DeviceKind, alone_too: bool) {
     let golden = Golden::load(name);
     let prompts = golden.prompts();
     let mut engine = engine_on(name, device, small_config());
