@@ -15,6 +15,9 @@ pub enum LlmError {
     /// Text was given but the checkpoint has no `tokenizer.json`.
     #[error("the checkpoint folder has no tokenizer.json: pass token ids instead of text")]
     NoTokenizer,
+    /// A model named by Hugging Face repo id is not in the cache and could not be downloaded.
+    #[error("{0}")]
+    Hub(String),
     /// Any other invalid argument.
     #[error("{0}")]
     Invalid(String),

@@ -11,9 +11,13 @@
 //!
 //! The streaming API (`add_request`, `step`, `abort`) is the engine's: [`LLM::engine_mut`].
 
+mod chat;
 mod error;
+pub mod hub;
 mod llm;
+pub mod server;
 
+pub use chat::chat_loop;
 pub use cubecl_kernels::DeviceKind;
 pub use engine::{
     EngineConfig, EngineStats, FinishReason, LLMEngine, RequestId, RequestMetrics, RequestOutput,

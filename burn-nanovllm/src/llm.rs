@@ -7,7 +7,8 @@ use std::io::IsTerminal;
 use std::path::Path;
 
 use engine::{
-    EngineConfig, FinishReason, LLMEngine, RequestId, RequestMetrics, SamplingParams, TokenLogprobs,
+    EngineConfig, FinishReason, LLMEngine, RequestId, RequestMetrics, RequestOutput,
+    SamplingParams, TokenLogprobs,
 };
 use indicatif::{ProgressBar, ProgressStyle};
 use model_qwen2::ChatMessage;
@@ -150,6 +151,18 @@ impl LLM {
         prompts: &[Prompt],
         params: impl Into<ParamsFor<'a>>,
     ) -> Result<Vec<Completion>> {
+        self.generate_streaming(prompts, params, |_, _| {})
+    }
+
+    /// [`generate`](Self::generate), calling `on_output(prompt index, output)` with every
+    /// step's output as it comes (new tokens; new text too after
+    /// `engine_mut().set_stream_text(true)`).
+    pub fn generate_streaming<'a>(
+        &mut self,
+        prompts: &[Prompt],
+        params: impl Into<ParamsFor<'a>>,
+        mut on_output: impl FnMut(usize, &RequestOutput),
+    ) -> Result<Vec<Completion>> {
         let params = params.into();
         if let ParamsFor::Each(each) = params
             && each.len() != prompts.len()
@@ -206,6 +219,7 @@ impl LLM {
                 let Some(&i) = index.get(&out.id) else {
                     continue;
                 };
+                on_output(i, &out);
                 let c = &mut results[i];
                 c.token_ids.extend(&out.new_token_ids);
                 c.logprobs.extend(out.new_logprobs);

@@ -1,10 +1,13 @@
-//! The `burn-nanovllm` command line: `generate` completions, or dump `logits` for parity checks.
+//! The `burn-nanovllm` command line: `generate` completions, `chat` in the terminal, `serve` an
+//! OpenAI-compatible API, or dump `logits` for parity checks.
 
 use std::path::PathBuf;
 use std::time::Instant;
 
 use anyhow::{Context, Result, bail};
 use burn::tensor::DType;
+use burn_nanovllm::hub::resolve_model;
+use burn_nanovllm::server::{Server, ServerConfig, shutdown_signal};
 use burn_nanovllm::{DeviceKind, EngineConfig, FinishReason, LLM, Prompt, SamplingParams};
 use clap::{Args, Parser, Subcommand};
 
@@ -23,6 +26,11 @@ struct Cli {
 enum Command {
     /// Generate completions for one or more prompts and print them.
     Generate(GenerateArgs),
+    /// Chat in the terminal (history kept, replies streamed; /reset, /exit, Ctrl-D).
+    Chat(ChatArgs),
+    /// Serve an OpenAI-compatible HTTP API (/v1/completions, /v1/chat/completions, /v1/models,
+    /// /health, /metrics).
+    Serve(ServeArgs),
     /// Write the prompt logits and greedy continuations of token-id prompts to a safetensors
     /// file (used by scripts/hf_parity.py to compare with transformers).
     Logits(LogitsArgs),
@@ -30,10 +38,14 @@ enum Command {
 
 #[derive(Args)]
 struct ModelArgs {
-    /// Hugging Face checkpoint folder (config.json, *.safetensors, tokenizer.json); by default
-    /// the 7 M-parameter English model trained by scripts/tiny-model.
-    #[arg(long, default_value_os_t = burn_nanovllm::default_model_dir())]
-    model: PathBuf,
+    /// Checkpoint folder (config.json, *.safetensors, tokenizer.json) or Hugging Face repo id
+    /// (ORG/NAME, from the local Hugging Face cache, downloaded when online); by default the
+    /// 7 M-parameter English model trained by scripts/tiny-model.
+    #[arg(long, default_value_t = burn_nanovllm::default_model_dir().display().to_string())]
+    model: String,
+    /// Branch, tag or commit of a repo id.
+    #[arg(long)]
+    revision: Option<String>,
     /// cpu (pure-Rust reference backend), cubecl-cpu, cuda or cuda:N.
     #[arg(long, default_value = "cpu")]
     device: DeviceKind,
@@ -138,6 +150,44 @@ struct GenerateArgs {
 }
 
 #[derive(Args)]
+struct ChatArgs {
+    #[command(flatten)]
+    model: ModelArgs,
+    #[command(flatten)]
+    engine: EngineArgs,
+    #[command(flatten)]
+    sampling: SamplingArgs,
+    /// A system message at the head of the conversation.
+    #[arg(long)]
+    system: Option<String>,
+}
+
+#[derive(Args)]
+struct ServeArgs {
+    #[command(flatten)]
+    model: ModelArgs,
+    #[command(flatten)]
+    engine: EngineArgs,
+    /// Address to bind (loopback by default; 0.0.0.0 exposes the server).
+    #[arg(long, default_value = "127.0.0.1")]
+    host: String,
+    #[arg(long, default_value_t = 8000)]
+    port: u16,
+    /// Require `Authorization: Bearer KEY` on /v1/* (default: $BURN_NANOVLLM_API_KEY).
+    #[arg(long)]
+    api_key: Option<String>,
+    /// The model name clients send (default: the --model argument).
+    #[arg(long)]
+    served_model_name: Option<String>,
+    /// Most requests queued and running at once; past it, 503 with Retry-After.
+    #[arg(long, default_value_t = 1024)]
+    max_pending: usize,
+    /// Seconds in-flight requests may run after SIGINT/SIGTERM before they are aborted.
+    #[arg(long, default_value_t = 30)]
+    shutdown_timeout: u64,
+}
+
+#[derive(Args)]
 struct LogitsArgs {
     #[command(flatten)]
     model: ModelArgs,
@@ -164,18 +214,20 @@ fn parse_dtype(s: &str) -> Result<DType, String> {
 fn main() -> Result<()> {
     match Cli::parse().command {
         Command::Generate(args) => generate(args),
+        Command::Chat(args) => chat(args),
+        Command::Serve(args) => serve(args),
         Command::Logits(args) => logits(args),
     }
 }
 
 fn load(model: &ModelArgs, config: EngineConfig) -> Result<LLM> {
     let start = Instant::now();
-    let llm = LLM::new(&model.model, config)
-        .with_context(|| format!("loading {}", model.model.display()))?;
+    let dir = resolve_model(&model.model, model.revision.as_deref())?;
+    let llm = LLM::new(&dir, config).with_context(|| format!("loading {}", dir.display()))?;
     let limits = llm.engine().limits();
     eprintln!(
         "loaded {} in {:.2?} on {:?} ({:?}): {} KV blocks of {} tokens, max_model_len {}, {}",
-        model.model.display(),
+        dir.display(),
         start.elapsed(),
         model.device,
         limits.dtype,
@@ -318,6 +370,58 @@ fn generate(args: GenerateArgs) -> Result<()> {
         stats.prefix_hit_tokens
     );
     Ok(())
+}
+
+fn chat(args: ChatArgs) -> Result<()> {
+    let mut llm = load(&args.model, engine_config(&args.model, &args.engine))?;
+    llm.set_progress(false);
+    let params = sampling_params(llm.engine().default_sampling_params(), &args.sampling);
+    eprintln!("chat: /reset clears the history, /exit or Ctrl-D ends");
+    let stdin = std::io::stdin();
+    burn_nanovllm::chat_loop(
+        &mut llm,
+        &params,
+        args.system.as_deref(),
+        stdin.lock(),
+        std::io::stdout(),
+    )?;
+    Ok(())
+}
+
+fn serve(args: ServeArgs) -> Result<()> {
+    let dir = resolve_model(&args.model.model, args.model.revision.as_deref())?;
+    let engine_config = engine_config(&args.model, &args.engine);
+    let config = ServerConfig {
+        model_name: args
+            .served_model_name
+            .clone()
+            .unwrap_or_else(|| args.model.model.clone()),
+        api_key: args
+            .api_key
+            .clone()
+            .or_else(|| std::env::var("BURN_NANOVLLM_API_KEY").ok()),
+        max_pending: args.max_pending,
+        shutdown_timeout: std::time::Duration::from_secs(args.shutdown_timeout),
+        ..ServerConfig::default()
+    };
+    let name = config.model_name.clone();
+    let load_dir = dir.clone();
+    let server = Server::new(
+        move || Ok(burn_nanovllm::LLMEngine::new(&load_dir, engine_config)?),
+        config,
+    )
+    .with_context(|| format!("loading {}", dir.display()))?;
+    let runtime = tokio::runtime::Runtime::new()?;
+    runtime.block_on(async {
+        let addr = format!("{}:{}", args.host, args.port);
+        let listener = tokio::net::TcpListener::bind(&addr)
+            .await
+            .with_context(|| format!("binding {addr}"))?;
+        eprintln!("serving `{name}` on http://{addr} (/v1/completions, /v1/chat/completions)");
+        server.serve(listener, shutdown_signal()).await?;
+        eprintln!("server stopped");
+        Ok(())
+    })
 }
 
 fn logits(args: LogitsArgs) -> Result<()> {

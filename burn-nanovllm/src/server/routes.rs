@@ -1,0 +1,384 @@
+//! The HTTP handlers: `/v1/completions`, `/v1/chat/completions` (JSON or server-sent events),
+//! `/v1/models`, `/health`, `/metrics`, and the API-key check of `/v1/*`.
+
+use std::convert::Infallible;
+use std::sync::Arc;
+use std::time::{SystemTime, UNIX_EPOCH};
+
+use axum::body::Bytes;
+use axum::extract::rejection::BytesRejection;
+use axum::extract::{Request, State};
+use axum::http::{StatusCode, header};
+use axum::middleware::Next;
+use axum::response::sse::{Event as SseEvent, Sse};
+use axum::response::{IntoResponse, Response};
+use engine::{FinishReason, TokenLogprobs};
+use prometheus_client::registry::Registry;
+use serde_json::{Value, json};
+use tokio::sync::mpsc as tmpsc;
+use tokio_stream::wrappers::UnboundedReceiverStream;
+
+use super::engine_loop::{EngineHandle, Event};
+use super::error::ApiError;
+use super::metrics::render;
+use super::protocol::{Endpoint, OpenAiRequest, PromptSpec};
+
+/// What every handler shares.
+pub struct AppState {
+    pub engine: EngineHandle,
+    pub model_name: String,
+    pub api_key: Option<String>,
+    pub registry: Registry,
+    pub started: u64,
+}
+
+pub type Shared = Arc<AppState>;
+
+fn unix_now() -> u64 {
+    SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .map_or(0, |d| d.as_secs())
+}
+
+/// `/v1/*` with `--api-key`: `Authorization: Bearer KEY` or 401.
+pub async fn require_key(State(s): State<Shared>, req: Request, next: Next) -> Response {
+    if let Some(key) = &s.api_key {
+        let given = req
+            .headers()
+            .get(header::AUTHORIZATION)
+            .and_then(|v| v.to_str().ok())
+            .and_then(|v| v.strip_prefix("Bearer "));
+        if given != Some(key.as_str()) {
+            let msg = match given {
+                None => "missing API key: send `Authorization: Bearer <key>`",
+                Some(_) => "invalid API key",
+            };
+            return ApiError::new(StatusCode::UNAUTHORIZED, msg).into_response();
+        }
+    }
+    next.run(req).await
+}
+
+pub async fn health(State(s): State<Shared>) -> StatusCode {
+    if s.engine.is_alive() {
+        StatusCode::OK
+    } else {
+        StatusCode::SERVICE_UNAVAILABLE
+    }
+}
+
+pub async fn metrics(State(s): State<Shared>) -> Response {
+    (
+        [(
+            header::CONTENT_TYPE,
+            "application/openmetrics-text; version=1.0.0; charset=utf-8",
+        )],
+        render(&s.registry),
+    )
+        .into_response()
+}
+
+pub async fn models(State(s): State<Shared>) -> Response {
+    axum::Json(json!({
+        "object": "list",
+        "data": [{
+            "id": s.model_name,
+            "object": "model",
+            "created": s.started,
+            "owned_by": "burn-nanovllm",
+            "max_model_len": s.engine.info.max_model_len,
+        }],
+    }))
+    .into_response()
+}
+
+pub async fn completions(State(s): State<Shared>, body: Result<Bytes, BytesRejection>) -> Response {
+    respond(s, Endpoint::Completions, body).await
+}
+
+pub async fn chat_completions(
+    State(s): State<Shared>,
+    body: Result<Bytes, BytesRejection>,
+) -> Response {
+    respond(s, Endpoint::ChatCompletions, body).await
+}
+
+async fn respond(s: Shared, endpoint: Endpoint, body: Result<Bytes, BytesRejection>) -> Response {
+    match run(s, endpoint, body).await {
+        Ok(r) => r,
+        Err(e) => e.into_response(),
+    }
+}
+
+async fn run(
+    s: Shared,
+    endpoint: Endpoint,
+    body: Result<Bytes, BytesRejection>,
+) -> Result<Response, ApiError> {
+    let body = body.map_err(|e| ApiError::new(e.status(), e.body_text()))?;
+    let req = OpenAiRequest::parse(&body)?;
+    if let Some(model) = &req.model
+        && model != &s.model_name
+    {
+        return Err(ApiError {
+            param: Some("model".into()),
+            ..ApiError::new(
+                StatusCode::NOT_FOUND,
+                format!(
+                    "the model `{model}` does not exist: this server serves `{}`",
+                    s.model_name
+                ),
+            )
+        });
+    }
+    let info = &s.engine.info;
+    let prompt = tokenize(&req.prompt(endpoint)?, &s)?;
+    let (mut params, max_tokens) = req.sampling_params(endpoint, &info.defaults)?;
+    if max_tokens.is_none() {
+        params.max_tokens = info.max_model_len.saturating_sub(prompt.len()).max(1);
+    }
+    let num_prompt = prompt.len();
+    let (id, rx) = s.engine.submit(prompt, params).await?;
+    let reply = Reply {
+        endpoint,
+        id: match endpoint {
+            Endpoint::Completions => format!("cmpl-{id}"),
+            Endpoint::ChatCompletions => format!("chatcmpl-{id}"),
+        },
+        created: unix_now(),
+        model: s.model_name.clone(),
+        state: s.clone(),
+        num_prompt,
+    };
+    let (stream, usage) = req.streaming();
+    if stream {
+        Ok(reply.stream(rx, usage))
+    } else {
+        reply.collect(rx).await
+    }
+}
+
+fn tokenize(prompt: &PromptSpec, s: &AppState) -> Result<Vec<u32>, ApiError> {
+    let field = |p: &str| Some(p.to_string());
+    let tokenizer = || {
+        s.engine.info.tokenizer.as_ref().ok_or_else(|| {
+            ApiError::bad_request(
+                "the model has no tokenizer.json: send token ids".into(),
+                field("prompt"),
+            )
+        })
+    };
+    let bad = |e: model_qwen2::ModelError, p: &str| ApiError::bad_request(e.to_string(), field(p));
+    match prompt {
+        PromptSpec::Tokens(ids) => Ok(ids.clone()),
+        PromptSpec::Text(t) => tokenizer()?.encode(t).map_err(|e| bad(e, "prompt")),
+        PromptSpec::Chat(messages) => {
+            let t = tokenizer()?;
+            let text = t
+                .apply_chat_template(messages, true)
+                .map_err(|e| bad(e, "messages"))?;
+            t.encode(&text).map_err(|e| bad(e, "messages"))
+        }
+    }
+}
+
+/// Builds the response bodies of one request.
+struct Reply {
+    endpoint: Endpoint,
+    id: String,
+    created: u64,
+    model: String,
+    state: Shared,
+    num_prompt: usize,
+}
+
+impl Reply {
+    fn usage(&self, completion: usize) -> Value {
+        json!({
+            "prompt_tokens": self.num_prompt,
+            "completion_tokens": completion,
+            "total_tokens": self.num_prompt + completion,
+        })
+    }
+
+    fn token_text(&self, id: u32) -> String {
+        self.state
+            .engine
+            .info
+            .tokenizer
+            .as_ref()
+            .and_then(|t| t.decode(&[id], false).ok())
+            .unwrap_or_default()
+    }
+
+    /// Log-probabilities in the endpoint's format (`null` when none were asked for).
+    fn logprobs(&self, lps: &[TokenLogprobs], asked: bool, text_offset: usize) -> Value {
+        if !asked {
+            return Value::Null;
+        }
+        match self.endpoint {
+            Endpoint::Completions => {
+                let mut offset = text_offset;
+                let mut offsets = Vec::new();
+                let tokens: Vec<String> = lps
+                    .iter()
+                    .map(|l| {
+                        let t = self.token_text(l.token_id);
+                        offsets.push(offset);
+                        offset += t.len();
+                        t
+                    })
+                    .collect();
+                json!({
+                    "tokens": tokens,
+                    "token_logprobs": lps.iter().map(|l| l.logprob).collect::<Vec<_>>(),
+                    "top_logprobs": lps.iter().map(|l| {
+                        l.top.iter().map(|&(id, lp)| (self.token_text(id), json!(lp)))
+                            .collect::<serde_json::Map<_, _>>()
+                    }).collect::<Vec<_>>(),
+                    "text_offset": offsets,
+                })
+            }
+            Endpoint::ChatCompletions => {
+                let entry = |id: u32, lp: f32| {
+                    let t = self.token_text(id);
+                    json!({"token": t, "logprob": lp, "bytes": t.as_bytes()})
+                };
+                json!({
+                    "content": lps.iter().map(|l| {
+                        let mut e = entry(l.token_id, l.logprob);
+                        e["top_logprobs"] = l.top.iter().map(|&(id, lp)| entry(id, lp)).collect();
+                        e
+                    }).collect::<Vec<_>>(),
+                })
+            }
+        }
+    }
+
+    fn finish(reason: &Option<FinishReason>) -> Value {
+        reason.as_ref().map_or(Value::Null, |r| json!(r.as_str()))
+    }
+
+    /// The whole completion as one JSON body.
+    async fn collect(self, mut rx: tmpsc::UnboundedReceiver<Event>) -> Result<Response, ApiError> {
+        let (mut text, mut tokens, mut lps, mut asked) = (String::new(), 0, Vec::new(), false);
+        while let Some(ev) = rx.recv().await {
+            let out = match ev {
+                Event::Output(o) => o,
+                Event::Failed(msg) => {
+                    return Err(ApiError::new(StatusCode::INTERNAL_SERVER_ERROR, msg));
+                }
+            };
+            text.push_str(&out.new_text);
+            tokens += out.new_token_ids.len();
+            asked |= !out.new_logprobs.is_empty();
+            lps.extend(out.new_logprobs);
+            let Some(reason) = out.finish_reason else {
+                continue;
+            };
+            if let FinishReason::Error(e) = &reason {
+                return Err(ApiError::bad_request(e.clone(), None));
+            }
+            let logprobs = self.logprobs(&lps, asked, 0);
+            let choice = match self.endpoint {
+                Endpoint::Completions => json!({
+                    "index": 0, "text": text, "logprobs": logprobs,
+                    "finish_reason": reason.as_str(),
+                }),
+                Endpoint::ChatCompletions => json!({
+                    "index": 0,
+                    "message": {"role": "assistant", "content": text},
+                    "logprobs": logprobs,
+                    "finish_reason": reason.as_str(),
+                }),
+            };
+            let object = match self.endpoint {
+                Endpoint::Completions => "text_completion",
+                Endpoint::ChatCompletions => "chat.completion",
+            };
+            return Ok(axum::Json(json!({
+                "id": self.id, "object": object, "created": self.created, "model": self.model,
+                "choices": [choice], "usage": self.usage(tokens),
+            }))
+            .into_response());
+        }
+        Err(ApiError::new(
+            StatusCode::INTERNAL_SERVER_ERROR,
+            "the engine stopped before the request finished",
+        ))
+    }
+
+    /// Server-sent events: a chunk per step, `data: [DONE]` at the end. A task forwards the
+    /// engine's outputs; when the client goes away the SSE stream is dropped, the task's send
+    /// fails, it drops the engine channel, and the engine thread aborts the request.
+    fn stream(self, mut rx: tmpsc::UnboundedReceiver<Event>, usage: bool) -> Response {
+        let (tx, events) = tmpsc::unbounded_channel::<Result<SseEvent, Infallible>>();
+        tokio::spawn(async move {
+            let object = match self.endpoint {
+                Endpoint::Completions => "text_completion",
+                Endpoint::ChatCompletions => "chat.completion.chunk",
+            };
+            let chunk = |choices: Value, usage: Option<Value>| {
+                let mut c = json!({
+                    "id": self.id, "object": object, "created": self.created,
+                    "model": self.model, "choices": choices,
+                });
+                if let Some(u) = usage {
+                    c["usage"] = u;
+                }
+                SseEvent::default().data(c.to_string())
+            };
+            let (mut tokens, mut offset, mut first) = (0usize, 0usize, true);
+            loop {
+                let ev = tokio::select! {
+                    ev = rx.recv() => ev,
+                    // Client gone: dropping `rx` makes the engine thread abort the request.
+                    _ = tx.closed() => return,
+                };
+                let Some(ev) = ev else { break };
+                let out = match ev {
+                    Event::Output(o) => o,
+                    Event::Failed(msg) => {
+                        let err = json!({"error": {"message": msg, "type": "internal_error", "code": 500}});
+                        let _ = tx.send(Ok(SseEvent::default().data(err.to_string())));
+                        break;
+                    }
+                };
+                if let Some(FinishReason::Error(e)) = &out.finish_reason {
+                    let err = json!({"error": {"message": e, "type": "invalid_request_error", "code": 400}});
+                    let _ = tx.send(Ok(SseEvent::default().data(err.to_string())));
+                    break;
+                }
+                tokens += out.new_token_ids.len();
+                let asked = !out.new_logprobs.is_empty();
+                let logprobs = self.logprobs(&out.new_logprobs, asked, offset);
+                offset += out.new_text.len();
+                let finish = Self::finish(&out.finish_reason);
+                let choice = match self.endpoint {
+                    Endpoint::Completions => json!({
+                        "index": 0, "text": out.new_text, "logprobs": logprobs, "finish_reason": finish,
+                    }),
+                    Endpoint::ChatCompletions => {
+                        let mut delta = json!({"content": out.new_text});
+                        if first {
+                            delta["role"] = json!("assistant");
+                        }
+                        json!({"index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": finish})
+                    }
+                };
+                first = false;
+                if tx.send(Ok(chunk(json!([choice]), None))).is_err() {
+                    return;
+                }
+                if out.finish_reason.is_some() {
+                    if usage {
+                        let _ = tx.send(Ok(chunk(json!([]), Some(self.usage(tokens)))));
+                    }
+                    break;
+                }
+            }
+            let _ = tx.send(Ok(SseEvent::default().data("[DONE]")));
+        });
+        Sse::new(UnboundedReceiverStream::new(events)).into_response()
+    }
+}

@@ -1,0 +1,417 @@
+//! The OpenAI-compatible server on loopback, with the tiny Qwen2 fixture (real tokenizer and
+//! chat template, random weights) on Burn's CPU backend. Every load is bounded in count and time.
+
+use std::path::PathBuf;
+use std::time::{Duration, Instant};
+
+use async_openai::Client;
+use async_openai::config::OpenAIConfig;
+use async_openai::types::chat::{
+    ChatCompletionRequestUserMessageArgs, CreateChatCompletionRequestArgs,
+};
+use async_openai::types::completions::CreateCompletionRequestArgs;
+use burn::tensor::DType;
+use burn_nanovllm::server::{Server, ServerConfig};
+use burn_nanovllm::{
+    ChatMessage, DeviceKind, EngineConfig, LLM, LLMEngine, Prompt, SamplingParams,
+};
+use serde_json::{Value, json};
+use tokio::net::TcpListener;
+use tokio::sync::oneshot;
+use tokio_stream::StreamExt;
+
+const MODEL: &str = "tiny";
+const KEY: &str = "sk-test";
+
+fn fixture() -> PathBuf {
+    PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../fixtures/qwen2-tiny-tied")
+}
+
+fn engine_config() -> EngineConfig {
+    EngineConfig {
+        device: DeviceKind::Cpu,
+        dtype: Some(DType::F32),
+        max_num_seqs: 8,
+        max_num_batched_tokens: 256,
+        num_kv_blocks: Some(128),
+        max_model_len: Some(256),
+        ..EngineConfig::default()
+    }
+}
+
+/// A server on 127.0.0.1 (a free port); dropping `stop` shuts it down.
+struct TestServer {
+    base: String,
+    _stop: oneshot::Sender<()>,
+}
+
+async fn start(config: ServerConfig) -> TestServer {
+    let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let base = format!("http://{}", listener.local_addr().unwrap());
+    let server = tokio::task::spawn_blocking(move || {
+        Server::new(|| Ok(LLMEngine::new(fixture(), engine_config())?), config).unwrap()
+    })
+    .await
+    .unwrap();
+    let (stop, stopped) = oneshot::channel::<()>();
+    tokio::spawn(server.serve(listener, async {
+        let _ = stopped.await;
+    }));
+    TestServer { base, _stop: stop }
+}
+
+fn config() -> ServerConfig {
+    ServerConfig {
+        model_name: MODEL.into(),
+        api_key: Some(KEY.into()),
+        shutdown_timeout: Duration::from_secs(1),
+        ..ServerConfig::default()
+    }
+}
+
+fn client(s: &TestServer) -> Client<OpenAIConfig> {
+    Client::with_config(
+        OpenAIConfig::new()
+            .with_api_base(format!("{}/v1", s.base))
+            .with_api_key(KEY),
+    )
+}
+
+/// The engine's own output (through `LLM::generate`) with the model's defaults, greedy.
+async fn engine_text(prompt: Prompt, max_tokens: usize) -> String {
+    tokio::task::spawn_blocking(move || {
+        let mut llm = LLM::new(fixture(), engine_config()).unwrap();
+        llm.set_progress(false);
+        let params = SamplingParams {
+            temperature: 0.0,
+            max_tokens,
+            ..llm.engine().default_sampling_params()
+        };
+        let out = llm.generate(&[prompt], &params).unwrap();
+        out[0].text.clone().unwrap()
+    })
+    .await
+    .unwrap()
+}
+
+async fn post(s: &TestServer, path: &str, body: &str, key: Option<&str>) -> reqwest::Response {
+    let mut req = reqwest::Client::new()
+        .post(format!("{}{path}", s.base))
+        .header("content-type", "application/json")
+        .body(body.to_string());
+    if let Some(k) = key {
+        req = req.bearer_auth(k);
+    }
+    req.send().await.unwrap()
+}
+
+async fn metric(s: &TestServer, name: &str) -> f64 {
+    let text = reqwest::get(format!("{}/metrics", s.base))
+        .await
+        .unwrap()
+        .text()
+        .await
+        .unwrap();
+    text.lines()
+        .find_map(|l| l.strip_prefix(&format!("burn_nanovllm_{name} ")))
+        .unwrap_or_else(|| panic!("metric {name} in {text}"))
+        .parse()
+        .unwrap()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn openai_client_gets_the_engine_text_streaming_and_not() {
+    let s = start(config()).await;
+    let c = client(&s);
+    let prompt = "The capital of France is";
+    let expected = engine_text(Prompt::Text(prompt.into()), 16).await;
+    let req = CreateCompletionRequestArgs::default()
+        .model(MODEL)
+        .prompt(prompt)
+        .max_tokens(16u32)
+        .temperature(0.0)
+        .build()
+        .unwrap();
+    let whole = c.completions().create(req.clone()).await.unwrap();
+    assert_eq!(whole.choices[0].text, expected);
+    let usage = whole.usage.unwrap();
+    assert_eq!(
+        usage.total_tokens,
+        usage.prompt_tokens + usage.completion_tokens
+    );
+    let mut stream = c.completions().create_stream(req).await.unwrap();
+    let mut streamed = String::new();
+    while let Some(chunk) = stream.next().await {
+        for choice in chunk.unwrap().choices {
+            streamed.push_str(&choice.text);
+        }
+    }
+    assert_eq!(streamed, expected);
+
+    // Chat: the template applied, the same text both ways.
+    let user = "Write a haiku about Rust.";
+    let expected = engine_text(Prompt::Chat(vec![ChatMessage::new("user", user)]), 12).await;
+    let req = CreateChatCompletionRequestArgs::default()
+        .model(MODEL)
+        .messages([ChatCompletionRequestUserMessageArgs::default()
+            .content(user)
+            .build()
+            .unwrap()
+            .into()])
+        .max_completion_tokens(12u32)
+        .temperature(0.0)
+        .build()
+        .unwrap();
+    let whole = c.chat().create(req.clone()).await.unwrap();
+    assert_eq!(
+        whole.choices[0].message.content.as_deref(),
+        Some(expected.as_str())
+    );
+    let mut stream = c.chat().create_stream(req).await.unwrap();
+    let mut streamed = String::new();
+    while let Some(chunk) = stream.next().await {
+        for choice in chunk.unwrap().choices {
+            streamed.push_str(choice.delta.content.as_deref().unwrap_or_default());
+        }
+    }
+    assert_eq!(streamed, expected);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn concurrent_requests_equal_their_solo_outputs() {
+    let s = start(config()).await;
+    let body = |i: usize| {
+        json!({"model": MODEL, "prompt": format!("Request number {i} says"), "max_tokens": 12,
+               "temperature": 0, "ignore_eos": true})
+        .to_string()
+    };
+    let text = |v: Value| v["choices"][0]["text"].as_str().unwrap().to_string();
+    let mut solo = Vec::new();
+    for i in 0..32 {
+        solo.push(text(
+            post(&s, "/v1/completions", &body(i), Some(KEY))
+                .await
+                .json()
+                .await
+                .unwrap(),
+        ));
+    }
+    let tasks: Vec<_> = (0..32)
+        .map(|i| {
+            let (base, b) = (s.base.clone(), body(i));
+            tokio::spawn(async move {
+                let r = reqwest::Client::new()
+                    .post(format!("{base}/v1/completions"))
+                    .bearer_auth(KEY)
+                    .body(b)
+                    .send()
+                    .await
+                    .unwrap();
+                assert_eq!(r.status(), 200);
+                r.json::<Value>().await.unwrap()
+            })
+        })
+        .collect();
+    for (i, t) in tasks.into_iter().enumerate() {
+        let v = tokio::time::timeout(Duration::from_secs(120), t)
+            .await
+            .unwrap()
+            .unwrap();
+        assert_eq!(v["usage"]["completion_tokens"], 12);
+        assert_eq!(text(v), solo[i], "request {i}");
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_client_dropped_mid_stream_frees_its_blocks() {
+    let s = start(config()).await;
+    let body = json!({"model": MODEL, "prompt": "Once upon a time", "max_tokens": 240,
+                      "temperature": 0, "ignore_eos": true, "stream": true});
+    let mut resp = post(&s, "/v1/completions", &body.to_string(), Some(KEY)).await;
+    assert_eq!(resp.status(), 200);
+    let first = resp.chunk().await.unwrap().unwrap();
+    assert!(first.starts_with(b"data: {"), "{first:?}");
+    assert_eq!(metric(&s, "num_requests_running").await, 1.0);
+    assert!(metric(&s, "kv_cache_usage_perc").await > 0.0);
+    drop(resp);
+    let deadline = Instant::now() + Duration::from_secs(20);
+    while metric(&s, "num_requests_running").await != 0.0
+        || metric(&s, "kv_cache_usage_perc").await != 0.0
+    {
+        assert!(
+            Instant::now() < deadline,
+            "the dropped request still holds blocks"
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    // Aborted, not finished: it stopped well before its 240 tokens.
+    assert_eq!(metric(&s, "requests_finished_total").await, 0.0);
+    assert!(metric(&s, "generation_tokens_total").await < 240.0);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn bad_requests_get_openai_errors_and_the_server_stays_healthy() {
+    let s = start(config()).await;
+    let ok = json!({"model": MODEL, "prompt": "Hi", "max_tokens": 2}).to_string();
+    let long: Vec<u32> = (0..300).map(|i| 100 + i).collect();
+    // (body, path, API key, expected status, expected `param`)
+    type Case<'a> = (String, &'a str, Option<&'a str>, u16, Option<&'a str>);
+    let cases: Vec<Case> = vec![
+        ("{not json".into(), "/v1/completions", Some(KEY), 400, None),
+        (
+            r#"{"prompt": "Hi", "max_tokens": "many"}"#.into(),
+            "/v1/completions",
+            Some(KEY),
+            400,
+            Some("max_tokens"),
+        ),
+        (
+            r#"{"prompt": "Hi", "max_tokens": -4}"#.into(),
+            "/v1/completions",
+            Some(KEY),
+            400,
+            Some("max_tokens"),
+        ),
+        (
+            r#"{"prompt": "Hi", "temperature": -1}"#.into(),
+            "/v1/completions",
+            Some(KEY),
+            400,
+            Some("temperature"),
+        ),
+        (
+            r#"{"prompt": "Hi", "n": 3}"#.into(),
+            "/v1/completions",
+            Some(KEY),
+            400,
+            Some("n"),
+        ),
+        (
+            json!({"prompt": long}).to_string(),
+            "/v1/completions",
+            Some(KEY),
+            400,
+            Some("prompt"),
+        ),
+        (
+            r#"{"prompt": "Hi", "model": "gpt-9"}"#.into(),
+            "/v1/completions",
+            Some(KEY),
+            404,
+            Some("model"),
+        ),
+        (
+            r#"{"messages": []}"#.into(),
+            "/v1/chat/completions",
+            Some(KEY),
+            400,
+            Some("messages"),
+        ),
+        (
+            r#"{"messages": [{"role": "wizard", "content": "x"}]}"#.into(),
+            "/v1/chat/completions",
+            Some(KEY),
+            400,
+            Some("messages[0].role"),
+        ),
+        (ok.clone(), "/v1/completions", None, 401, None),
+        (ok.clone(), "/v1/completions", Some("sk-wrong"), 401, None),
+    ];
+    for (body, path, key, status, param) in cases {
+        let r = post(&s, path, &body, key).await;
+        assert_eq!(r.status().as_u16(), status, "{body}");
+        let v: Value = r.json().await.unwrap();
+        assert_eq!(v["error"]["code"], status, "{v}");
+        assert!(!v["error"]["message"].as_str().unwrap().is_empty());
+        if let Some(p) = param {
+            assert_eq!(v["error"]["param"], p, "{v}");
+        }
+    }
+    let r = post(&s, "/v1/completions", &ok, Some(KEY)).await;
+    assert_eq!(r.status(), 200);
+    let models: Value = reqwest::Client::new()
+        .get(format!("{}/v1/models", s.base))
+        .bearer_auth(KEY)
+        .send()
+        .await
+        .unwrap()
+        .json()
+        .await
+        .unwrap();
+    assert_eq!(models["data"][0]["id"], MODEL);
+    let health = reqwest::get(format!("{}/health", s.base)).await.unwrap();
+    assert_eq!(health.status(), 200);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_bounded_flood_sheds_load_with_503_and_loses_nothing() {
+    let s = start(ServerConfig {
+        max_pending: 8,
+        ..config()
+    })
+    .await;
+    let body = json!({"model": MODEL, "prompt": "Flood", "max_tokens": 4, "ignore_eos": true,
+                      "temperature": 0})
+    .to_string();
+    let http = reqwest::Client::new();
+    let start = Instant::now();
+    let tasks: Vec<_> = (0..500)
+        .map(|_| {
+            let (http, url, body) = (
+                http.clone(),
+                format!("{}/v1/completions", s.base),
+                body.clone(),
+            );
+            tokio::spawn(async move {
+                let r = http
+                    .post(url)
+                    .bearer_auth(KEY)
+                    .body(body)
+                    .send()
+                    .await
+                    .unwrap();
+                let status = r.status().as_u16();
+                let retry = r.headers().contains_key("retry-after");
+                let v: Value = r.json().await.unwrap();
+                (status, retry, v)
+            })
+        })
+        .collect();
+    let (mut accepted, mut shed) = (0, 0);
+    for t in tasks {
+        let (status, retry, v) = tokio::time::timeout(Duration::from_secs(120), t)
+            .await
+            .expect("bounded in time")
+            .unwrap();
+        match status {
+            200 => {
+                accepted += 1;
+                assert_eq!(v["usage"]["completion_tokens"], 4, "{v}");
+            }
+            503 => {
+                shed += 1;
+                assert!(retry, "503 without Retry-After");
+                assert_eq!(v["error"]["code"], 503);
+            }
+            other => panic!("status {other}: {v}"),
+        }
+    }
+    assert_eq!(accepted + shed, 500);
+    assert!(shed > 0, "a queue of 8 should overflow");
+    assert!(accepted >= 8);
+    eprintln!(
+        "flood: {accepted} served, {shed} shed in {:.1?}",
+        start.elapsed()
+    );
+    // Every accepted request finished and was counted; the server is idle and healthy.
+    assert_eq!(metric(&s, "requests_finished_total").await, accepted as f64);
+    assert_eq!(metric(&s, "requests_rejected_total").await, shed as f64);
+    assert_eq!(metric(&s, "num_requests_running").await, 0.0);
+    assert_eq!(
+        reqwest::get(format!("{}/health", s.base))
+            .await
+            .unwrap()
+            .status(),
+        200
+    );
+}
