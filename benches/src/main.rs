@@ -7,6 +7,7 @@ mod decode_step;
 mod engine_bench;
 mod linear;
 mod report;
+mod serve_bench;
 mod timing;
 mod workload;
 
@@ -58,6 +59,24 @@ struct Cli {
     /// Engine suites: most tokens per step.
     #[arg(long, default_value_t = 8192)]
     max_num_batched_tokens: usize,
+    /// Serve suite: the server's base URL (e.g. http://127.0.0.1:8000).
+    #[arg(long)]
+    url: Option<String>,
+    /// Serve suite: request rates per second (comma-separated; `inf` = all at once).
+    #[arg(long, value_delimiter = ',', default_values_t = [f64::INFINITY])]
+    request_rate: Vec<f64>,
+    /// Serve suite: requests per rate.
+    #[arg(long, default_value_t = 200)]
+    num_prompts: usize,
+    /// Serve suite: prompt tokens per request.
+    #[arg(long, default_value_t = 512)]
+    input_len: usize,
+    /// Serve suite: output tokens per request.
+    #[arg(long, default_value_t = 128)]
+    output_len: usize,
+    /// Serve suite: seed of prompts and arrivals.
+    #[arg(long, default_value_t = 0)]
+    seed: u64,
 }
 
 #[derive(Clone, Copy, PartialEq, Eq, ValueEnum)]
@@ -68,6 +87,8 @@ enum Suite {
     Step,
     /// nano-vLLM's bench.py workload through the engine.
     Nano,
+    /// vLLM's `bench serve` against a running server (`--url`).
+    Serve,
     All,
 }
 
@@ -179,6 +200,21 @@ fn main() -> Result<()> {
             },
         };
         tables.push(engine_bench::nano(&setup, num_seqs, &device, dtype)?.json());
+    }
+    if cli.suite.contains(&Suite::Serve) {
+        let url = cli
+            .url
+            .as_deref()
+            .context("the serve suite needs --url of a running server")?;
+        let workload = serve_bench::ServeWorkload {
+            url: url.trim_end_matches('/'),
+            rates: &cli.request_rate,
+            num_prompts: cli.num_prompts,
+            input_len: cli.input_len,
+            output_len: cli.output_len,
+            seed: cli.seed,
+        };
+        tables.push(serve_bench::run(&workload)?.json());
     }
     if let Some(out) = cli.out {
         std::fs::write(&out, serde_json::to_string_pretty(&tables)?)

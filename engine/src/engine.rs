@@ -276,6 +276,13 @@ impl LLMEngine {
     /// prompt larger than the whole KV pool, or invalid parameters.
     pub fn add_request(&mut self, prompt: Vec<u32>, params: SamplingParams) -> Result<RequestId> {
         params.validate()?;
+        if self.tokenizer.is_none() && !params.stop.is_empty() {
+            return Err(EngineError::param(
+                "stop",
+                "stop strings need the model's tokenizer.json, which this model folder lacks"
+                    .into(),
+            ));
+        }
         self.check_prompt(&prompt)?;
         let bm = self.scheduler.block_manager();
         let needed = bm.blocks_for(prompt.len() + 1);
@@ -290,7 +297,9 @@ impl LLMEngine {
         let id = self.next_id;
         self.next_id += 1;
         let seed = params.seed.unwrap_or_else(|| self.rng.random());
-        if self.stream_text || !params.stop.is_empty() {
+        // Text is tracked only where there is a tokenizer (stop strings without one were
+        // refused above): token-id requests on such models stream ids alone.
+        if self.tokenizer.is_some() && (self.stream_text || !params.stop.is_empty()) {
             self.detokenizers.insert(id, Detokenizer::new(&params));
         }
         self.scheduler

@@ -23,8 +23,19 @@ use tokio_stream::StreamExt;
 const MODEL: &str = "tiny";
 const KEY: &str = "sk-test";
 
+/// Real Qwen2 tokenizer and chat template, random weights.
+const TOKENIZED: &str = "qwen2-tiny-tied";
+/// No tokenizer.json: token-id prompts only.
+const IDS_ONLY: &str = "qwen2-tiny-untied";
+
+fn fixture_named(name: &str) -> PathBuf {
+    PathBuf::from(env!("CARGO_MANIFEST_DIR"))
+        .join("../fixtures")
+        .join(name)
+}
+
 fn fixture() -> PathBuf {
-    PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../fixtures/qwen2-tiny-tied")
+    fixture_named(TOKENIZED)
 }
 
 fn engine_config() -> EngineConfig {
@@ -46,10 +57,18 @@ struct TestServer {
 }
 
 async fn start(config: ServerConfig) -> TestServer {
+    start_with(TOKENIZED, config).await
+}
+
+async fn start_with(model: &'static str, config: ServerConfig) -> TestServer {
     let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
     let base = format!("http://{}", listener.local_addr().unwrap());
     let server = tokio::task::spawn_blocking(move || {
-        Server::new(|| Ok(LLMEngine::new(fixture(), engine_config())?), config).unwrap()
+        Server::new(
+            move || Ok(LLMEngine::new(fixture_named(model), engine_config())?),
+            config,
+        )
+        .unwrap()
     })
     .await
     .unwrap();
@@ -414,4 +433,40 @@ async fn a_bounded_flood_sheds_load_with_503_and_loses_nothing() {
             .status(),
         200
     );
+}
+
+/// A model folder without tokenizer.json streams token-id prompts (ids counted, text empty)
+/// and refuses what needs text, naming the field.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn token_ids_stream_on_a_model_without_tokenizer() {
+    let s = start_with(IDS_ONLY, config()).await;
+    let body = json!({"prompt": [1, 2, 3, 4], "max_tokens": 6, "ignore_eos": true, "stream": true,
+                      "stream_options": {"include_usage": true}});
+    let text = post(&s, "/v1/completions", &body.to_string(), Some(KEY))
+        .await
+        .text()
+        .await
+        .unwrap();
+    let chunks: Vec<Value> = text
+        .split("\n\n")
+        .filter_map(|e| e.strip_prefix("data: "))
+        .filter(|d| *d != "[DONE]")
+        .map(|d| serde_json::from_str(d).unwrap())
+        .collect();
+    assert!(text.trim_end().ends_with("data: [DONE]"), "{text}");
+    assert_eq!(
+        chunks.last().unwrap()["usage"]["completion_tokens"],
+        6,
+        "{text}"
+    );
+    for (body, param) in [
+        (json!({"prompt": "text", "max_tokens": 2}), "prompt"),
+        (json!({"prompt": [1, 2], "stop": ["x"]}), "stop"),
+    ] {
+        let r = post(&s, "/v1/completions", &body.to_string(), Some(KEY)).await;
+        assert_eq!(r.status(), 400);
+        let v: Value = r.json().await.unwrap();
+        assert_eq!(v["error"]["param"], param, "{v}");
+    }
+    assert_eq!(metric(&s, "requests_finished_total").await, 1.0);
 }

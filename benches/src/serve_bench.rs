@@ -1,0 +1,213 @@
+//! `benches serve --url URL`: vLLM's `bench serve` against a running OpenAI-compatible server.
+//! Random token-id prompts of `input_len`, `output_len` tokens each (`ignore_eos`), streamed
+//! from `/v1/completions`; arrivals all at once (`inf`) or Poisson at each request rate. Per
+//! request: TTFT (send → first token), TPOT ((end − first token) / (tokens − 1)), ITL (gaps
+//! between streamed chunks) and end-to-end latency; p50/p90/p99 of each, and throughput.
+
+use std::time::{Duration, Instant};
+
+use anyhow::{Context, Result, bail};
+use rand::rngs::StdRng;
+use rand::{Rng, SeedableRng};
+use serde_json::{Value, json};
+
+use crate::report::Report;
+
+/// The workload and where to send it.
+pub struct ServeWorkload<'a> {
+    pub url: &'a str,
+    /// Requests per second; infinite sends every request at t = 0.
+    pub rates: &'a [f64],
+    pub num_prompts: usize,
+    pub input_len: usize,
+    pub output_len: usize,
+    pub seed: u64,
+}
+
+/// One request's timings.
+struct Timed {
+    ttft: f64,
+    e2e: f64,
+    gaps: Vec<f64>,
+    tokens: usize,
+}
+
+/// Runs the workload at every rate; one row per rate.
+pub fn run(w: &ServeWorkload) -> Result<Report> {
+    let runtime = tokio::runtime::Runtime::new()?;
+    let mut report = Report::new(
+        "serve",
+        &[
+            "url",
+            "request_rate",
+            "num_prompts",
+            "input_len",
+            "output_len",
+            "duration_s",
+            "requests_per_s",
+            "output_tok_per_s",
+            "total_tok_per_s",
+            "ttft_p50_ms",
+            "ttft_p90_ms",
+            "ttft_p99_ms",
+            "tpot_p50_ms",
+            "tpot_p90_ms",
+            "tpot_p99_ms",
+            "itl_p50_ms",
+            "itl_p90_ms",
+            "itl_p99_ms",
+            "e2e_p50_ms",
+            "e2e_p99_ms",
+        ],
+    );
+    runtime.block_on(async {
+        let http = reqwest::Client::new();
+        let mut rng = StdRng::seed_from_u64(w.seed);
+        let prompt = |rng: &mut StdRng| -> Vec<u32> {
+            (0..w.input_len)
+                .map(|_| rng.random_range(0..10_000))
+                .collect()
+        };
+        // Warm-up: one request of the same shape (autotuning, first-use compilation).
+        let warm = prompt(&mut rng);
+        one(&http, w.url, warm, w.output_len)
+            .await
+            .context("warm-up request")?;
+        for &rate in w.rates {
+            let prompts: Vec<Vec<u32>> = (0..w.num_prompts).map(|_| prompt(&mut rng)).collect();
+            let mut at = 0.0f64;
+            let start = Instant::now();
+            let mut tasks = Vec::with_capacity(prompts.len());
+            for p in prompts {
+                if rate.is_finite() {
+                    // Exponential gaps: a Poisson process of `rate` requests per second.
+                    at += -(1.0 - rng.random::<f64>()).ln() / rate;
+                }
+                let (http, url, out) = (http.clone(), w.url.to_string(), w.output_len);
+                let send_at = start + Duration::from_secs_f64(at);
+                tasks.push(tokio::spawn(async move {
+                    tokio::time::sleep_until(send_at.into()).await;
+                    one(&http, &url, p, out).await
+                }));
+            }
+            let mut timed = Vec::with_capacity(tasks.len());
+            for t in tasks {
+                timed.push(t.await??);
+            }
+            let secs = start.elapsed().as_secs_f64();
+            let tokens: usize = timed.iter().map(|t| t.tokens).sum();
+            let ms = |mut v: Vec<f64>, q: f64| percentile(&mut v, q) * 1e3;
+            let ttft: Vec<f64> = timed.iter().map(|t| t.ttft).collect();
+            let e2e: Vec<f64> = timed.iter().map(|t| t.e2e).collect();
+            let tpot: Vec<f64> = timed
+                .iter()
+                .filter(|t| t.tokens > 1)
+                .map(|t| (t.e2e - t.ttft) / (t.tokens - 1) as f64)
+                .collect();
+            let itl: Vec<f64> = timed.iter().flat_map(|t| t.gaps.clone()).collect();
+            report.row(vec![
+                json!(w.url),
+                json!(if rate.is_finite() {
+                    json!(rate)
+                } else {
+                    json!("inf")
+                }),
+                json!(w.num_prompts),
+                json!(w.input_len),
+                json!(w.output_len),
+                json!(secs),
+                json!(w.num_prompts as f64 / secs),
+                json!(tokens as f64 / secs),
+                json!((tokens + w.num_prompts * w.input_len) as f64 / secs),
+                json!(ms(ttft.clone(), 0.5)),
+                json!(ms(ttft.clone(), 0.9)),
+                json!(ms(ttft, 0.99)),
+                json!(ms(tpot.clone(), 0.5)),
+                json!(ms(tpot.clone(), 0.9)),
+                json!(ms(tpot, 0.99)),
+                json!(ms(itl.clone(), 0.5)),
+                json!(ms(itl.clone(), 0.9)),
+                json!(ms(itl, 0.99)),
+                json!(ms(e2e.clone(), 0.5)),
+                json!(ms(e2e, 0.99)),
+            ]);
+        }
+        Ok::<_, anyhow::Error>(())
+    })?;
+    Ok(report)
+}
+
+/// Sends one streaming completion of token-id `prompt` and times its chunks.
+async fn one(
+    http: &reqwest::Client,
+    url: &str,
+    prompt: Vec<u32>,
+    max_tokens: usize,
+) -> Result<Timed> {
+    let body = json!({
+        "prompt": prompt, "max_tokens": max_tokens, "ignore_eos": true, "temperature": 0,
+        "stream": true, "stream_options": {"include_usage": true},
+    });
+    let sent = Instant::now();
+    let mut resp = http
+        .post(format!("{url}/v1/completions"))
+        .json(&body)
+        .send()
+        .await
+        .with_context(|| format!("POST {url}/v1/completions"))?;
+    if !resp.status().is_success() {
+        bail!(
+            "{}: {}",
+            resp.status(),
+            resp.text().await.unwrap_or_default()
+        );
+    }
+    let (mut first, mut last, mut gaps, mut tokens) = (None, sent, Vec::new(), 0usize);
+    let mut buffer = String::new();
+    while let Some(bytes) = resp.chunk().await? {
+        let now = Instant::now();
+        buffer.push_str(&String::from_utf8_lossy(&bytes));
+        while let Some(end) = buffer.find("\n\n") {
+            let event: String = buffer.drain(..end + 2).collect();
+            let Some(data) = event.trim().strip_prefix("data: ") else {
+                continue;
+            };
+            if data == "[DONE]" {
+                continue;
+            }
+            let v: Value = serde_json::from_str(data).with_context(|| data.to_string())?;
+            if let Some(err) = v.get("error") {
+                bail!("server error: {err}");
+            }
+            if let Some(n) = v["usage"]["completion_tokens"].as_u64() {
+                tokens = n as usize;
+            }
+            // A chunk with a choice carries the step's new tokens (its text may be empty while
+            // a multi-byte character is incomplete); the usage chunk has none.
+            if v["choices"].as_array().is_some_and(|c| !c.is_empty()) {
+                if first.is_none() {
+                    first = Some(now);
+                } else {
+                    gaps.push((now - last).as_secs_f64());
+                }
+                last = now;
+            }
+        }
+    }
+    let first = first.context("no token came back")?;
+    Ok(Timed {
+        ttft: (first - sent).as_secs_f64(),
+        e2e: (last - sent).as_secs_f64(),
+        gaps,
+        tokens,
+    })
+}
+
+/// The `q` quantile (nearest rank) of `v`; NaN when empty.
+fn percentile(v: &mut [f64], q: f64) -> f64 {
+    if v.is_empty() {
+        return f64::NAN;
+    }
+    v.sort_by(f64::total_cmp);
+    v[((q * v.len() as f64).ceil() as usize).clamp(1, v.len()) - 1]
+}
