@@ -16,16 +16,27 @@ use crate::workload::{WorkItem, nano_bench};
 pub struct EngineSetup<'a> {
     /// Model name (for the report).
     pub model: &'a str,
-    /// Its config (random weights).
+    /// Its config.
     pub config: &'a Qwen2Config,
+    /// A checkpoint folder with real weights; `None`: random weights of `config`.
+    pub dir: Option<&'a std::path::Path>,
     /// Engine options.
     pub engine: EngineConfig,
 }
 
 fn build(setup: &EngineSetup<'_>, device: &Device, dtype: DType) -> Result<LLM> {
-    let model = Qwen2Model::dummy(setup.config.clone(), dtype, device);
-    let engine = LLMEngine::with_model(model, None, device.clone(), setup.engine.clone())?;
-    let mut llm = LLM::from_engine(engine);
+    let mut llm = match setup.dir {
+        Some(dir) => LLM::new(dir, setup.engine.clone())?,
+        None => {
+            let model = Qwen2Model::dummy(setup.config.clone(), dtype, device);
+            LLM::from_engine(LLMEngine::with_model(
+                model,
+                None,
+                device.clone(),
+                setup.engine.clone(),
+            )?)
+        }
+    };
     llm.set_progress(false);
     Ok(llm)
 }

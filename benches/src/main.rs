@@ -47,6 +47,13 @@ struct Cli {
     /// Model of the engine suites (random weights of its config).
     #[arg(long, default_value = "qwen2-0.5b")]
     dummy: String,
+    /// Engine suites: a checkpoint folder or Hugging Face repo id (real weights) instead of
+    /// `--dummy`.
+    #[arg(long)]
+    model: Option<String>,
+    /// Branch, tag or commit of a `--model` repo id.
+    #[arg(long)]
+    revision: Option<String>,
     /// Engine suites: decode steps eagerly (no CUDA graphs).
     #[arg(long)]
     enforce_eager: bool,
@@ -178,7 +185,17 @@ fn main() -> Result<()> {
         tables.push(decode_step::run("qwen2-0.5b", &c, ms, !cli.ours_only, &device, dtype).json());
     }
     if cli.suite.contains(&Suite::Nano) {
-        let mut c = config(&cli.dummy)?;
+        let dir = match &cli.model {
+            Some(m) => Some(burn_nanovllm::hub::resolve_model(
+                m,
+                cli.revision.as_deref(),
+            )?),
+            None => None,
+        };
+        let mut c = match &dir {
+            Some(d) => Qwen2Config::from_file(d.join("config.json"))?,
+            None => config(&cli.dummy)?,
+        };
         let mut num_seqs = cli.num_seqs;
         if q {
             c.num_hidden_layers = 2;
@@ -186,8 +203,9 @@ fn main() -> Result<()> {
             num_seqs = num_seqs.min(4);
         }
         let setup = engine_bench::EngineSetup {
-            model: &cli.dummy,
+            model: cli.model.as_deref().unwrap_or(&cli.dummy),
             config: &c,
+            dir: dir.as_deref(),
             engine: burn_nanovllm::EngineConfig {
                 device: cli.device,
                 dtype: Some(dtype),
