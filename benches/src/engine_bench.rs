@@ -9,8 +9,8 @@ use burn_nanovllm::{EngineConfig, LLM, LLMEngine, Prompt, SamplingParams};
 use model_qwen2::{Qwen2Config, Qwen2Model};
 use serde_json::json;
 
-use crate::report::Report;
-use crate::workload::{WorkItem, nano_bench};
+use crate::report::{Report, percentile};
+use crate::workload::{WorkItem, nano_bench, random_requests};
 
 /// How the engine is set up for a run.
 pub struct EngineSetup<'a> {
@@ -149,6 +149,134 @@ pub fn nano(
         json!(limits.num_kv_blocks),
         json!(load_s),
     ]);
+    Ok(report)
+}
+
+/// The random workload of `throughput` and `latency`.
+pub struct RandomWorkload {
+    pub num_prompts: usize,
+    pub input_len: usize,
+    pub output_len: usize,
+    pub range_ratio: f64,
+    pub seed: u64,
+}
+
+/// vLLM's `bench throughput`: every request at t = 0 (random ids, `ignore_eos`, temperature
+/// 0.6 like bench.py), one timed `generate` after a short warm-up.
+pub fn throughput(
+    setup: &EngineSetup<'_>,
+    w: &RandomWorkload,
+    device: &Device,
+    dtype: DType,
+) -> Result<Report> {
+    let mut llm = build(setup, device, dtype)?;
+    let vocab = llm.engine().model_config().vocab_size as u32;
+    let work = random_requests(
+        w.num_prompts,
+        w.input_len,
+        w.output_len,
+        w.range_ratio,
+        vocab,
+        w.seed,
+    );
+    llm.generate(
+        &[Prompt::Tokens(vec![33, 44, 55, 66])],
+        &SamplingParams::default(),
+    )?;
+    let before = llm.engine().stats();
+    let (wall, outs) = timed_generate(&mut llm, &work, 0.6)?;
+    let stats = llm.engine().stats();
+    let prompt_tokens: usize = work.iter().map(|w| w.prompt.len()).sum();
+    let output_tokens: usize = outs.iter().map(|o| o.token_ids.len()).sum();
+    let mut report = Report::new(
+        &format!("engine throughput {} {dtype:?}", setup.model),
+        &[
+            "model",
+            "num_prompts",
+            "input_len",
+            "output_len",
+            "range_ratio",
+            "prompt_tokens",
+            "output_tokens",
+            "wall_s",
+            "req_s",
+            "output_tok_s",
+            "total_tok_s",
+            "steps",
+            "preemptions",
+        ],
+    );
+    report.row(vec![
+        json!(setup.model),
+        json!(w.num_prompts),
+        json!(w.input_len),
+        json!(w.output_len),
+        json!(w.range_ratio),
+        json!(prompt_tokens),
+        json!(output_tokens),
+        json!(wall),
+        json!(w.num_prompts as f64 / wall),
+        json!(output_tokens as f64 / wall),
+        json!((prompt_tokens + output_tokens) as f64 / wall),
+        json!(stats.steps - before.steps),
+        json!(stats.preemptions - before.preemptions),
+    ]);
+    Ok(report)
+}
+
+/// vLLM's `bench latency`: a batch of `batch` requests of `input_len` + `output_len` tokens,
+/// `warmup` untimed then `iters` timed `generate`s; end-to-end latency percentiles per batch.
+pub fn latency(
+    setup: &EngineSetup<'_>,
+    batches: &[usize],
+    w: &RandomWorkload,
+    (warmup, iters): (usize, usize),
+    device: &Device,
+    dtype: DType,
+) -> Result<Report> {
+    let mut llm = build(setup, device, dtype)?;
+    let vocab = llm.engine().model_config().vocab_size as u32;
+    let mut report = Report::new(
+        &format!("engine latency {} {dtype:?}", setup.model),
+        &[
+            "model",
+            "batch",
+            "input_len",
+            "output_len",
+            "iters",
+            "mean_ms",
+            "p50_ms",
+            "p90_ms",
+            "p99_ms",
+            "output_tok_s",
+        ],
+    );
+    for &batch in batches {
+        let work = random_requests(batch, w.input_len, w.output_len, 0.0, vocab, w.seed);
+        let mut times = Vec::with_capacity(iters);
+        for i in 0..warmup + iters {
+            // Greedy: the timed iterations repeat the same work (prefix caching would skip the
+            // prompts after the first: it is turned off by the caller's engine options).
+            let (wall, _) = timed_generate(&mut llm, &work, 0.0)?;
+            if i >= warmup {
+                times.push(wall);
+            }
+        }
+        let mean = times.iter().sum::<f64>() / times.len().max(1) as f64;
+        let ms = |q: f64| percentile(&mut times.clone(), q) * 1e3;
+        report.row(vec![
+            json!(setup.model),
+            json!(batch),
+            json!(w.input_len),
+            json!(w.output_len),
+            json!(iters),
+            json!(mean * 1e3),
+            json!(ms(0.5)),
+            json!(ms(0.9)),
+            json!(ms(0.99)),
+            json!((batch * w.output_len) as f64 / mean),
+        ]);
+    }
     Ok(report)
 }
 

@@ -72,16 +72,28 @@ struct Cli {
     /// Serve suite: request rates per second (comma-separated; `inf` = all at once).
     #[arg(long, value_delimiter = ',', default_values_t = [f64::INFINITY])]
     request_rate: Vec<f64>,
-    /// Serve suite: requests per rate.
+    /// Serve and throughput suites: requests (per rate).
     #[arg(long, default_value_t = 200)]
     num_prompts: usize,
-    /// Serve suite: prompt tokens per request.
+    /// Serve, throughput and latency suites: prompt tokens per request.
     #[arg(long, default_value_t = 512)]
     input_len: usize,
-    /// Serve suite: output tokens per request.
+    /// Serve, throughput and latency suites: output tokens per request.
     #[arg(long, default_value_t = 128)]
     output_len: usize,
-    /// Serve suite: seed of prompts and arrivals.
+    /// Throughput suite: lengths vary uniformly by ± this fraction.
+    #[arg(long, default_value_t = 0.0)]
+    random_range_ratio: f64,
+    /// Latency suite: batch sizes (comma-separated).
+    #[arg(long, value_delimiter = ',', default_values_t = [1usize, 64])]
+    batch_size: Vec<usize>,
+    /// Latency suite: timed iterations per batch size.
+    #[arg(long, default_value_t = 5)]
+    iters: usize,
+    /// Latency suite: untimed iterations first.
+    #[arg(long, default_value_t = 1)]
+    warmup_iters: usize,
+    /// Serve, throughput and latency suites: seed of prompts (and arrivals).
     #[arg(long, default_value_t = 0)]
     seed: u64,
 }
@@ -96,6 +108,10 @@ enum Suite {
     Nano,
     /// vLLM's `bench serve` against a running server (`--url`).
     Serve,
+    /// vLLM's `bench throughput`: random requests all at t = 0, through the engine.
+    Throughput,
+    /// vLLM's `bench latency`: end-to-end time of one batch, through the engine.
+    Latency,
     All,
 }
 
@@ -184,7 +200,8 @@ fn main() -> Result<()> {
         }
         tables.push(decode_step::run("qwen2-0.5b", &c, ms, !cli.ours_only, &device, dtype).json());
     }
-    if cli.suite.contains(&Suite::Nano) {
+    let engine_suites = [Suite::Nano, Suite::Throughput, Suite::Latency];
+    if engine_suites.iter().any(|s| cli.suite.contains(s)) {
         let dir = match &cli.model {
             Some(m) => Some(burn_nanovllm::hub::resolve_model(
                 m,
@@ -202,14 +219,14 @@ fn main() -> Result<()> {
             c.vocab_size = 1000;
             num_seqs = num_seqs.min(4);
         }
-        let setup = engine_bench::EngineSetup {
+        let mut setup = engine_bench::EngineSetup {
             model: cli.model.as_deref().unwrap_or(&cli.dummy),
             config: &c,
             dir: dir.as_deref(),
             engine: burn_nanovllm::EngineConfig {
                 device: cli.device,
                 dtype: Some(dtype),
-                max_model_len: Some(4096),
+                max_model_len: Some(4096.min(c.max_position_embeddings)),
                 max_num_seqs: cli.max_num_seqs,
                 max_num_batched_tokens: cli.max_num_batched_tokens,
                 enforce_eager: cli.enforce_eager,
@@ -217,7 +234,27 @@ fn main() -> Result<()> {
                 ..burn_nanovllm::EngineConfig::default()
             },
         };
-        tables.push(engine_bench::nano(&setup, num_seqs, &device, dtype)?.json());
+        let workload = engine_bench::RandomWorkload {
+            num_prompts: cli.num_prompts,
+            input_len: cli.input_len,
+            output_len: cli.output_len,
+            range_ratio: cli.random_range_ratio,
+            seed: cli.seed,
+        };
+        if cli.suite.contains(&Suite::Nano) {
+            tables.push(engine_bench::nano(&setup, num_seqs, &device, dtype)?.json());
+        }
+        if cli.suite.contains(&Suite::Throughput) {
+            tables.push(engine_bench::throughput(&setup, &workload, &device, dtype)?.json());
+        }
+        if cli.suite.contains(&Suite::Latency) {
+            // Repeated identical batches: no prefix cache, or every repeat would be a hit.
+            setup.engine.enable_prefix_caching = false;
+            let iters = (cli.warmup_iters, cli.iters);
+            let report =
+                engine_bench::latency(&setup, &cli.batch_size, &workload, iters, &device, dtype)?;
+            tables.push(report.json());
+        }
     }
     if cli.suite.contains(&Suite::Serve) {
         let url = cli

@@ -63,3 +63,12 @@ fn significant(f: f64) -> f64 {
     let scale = 10f64.powi(digits);
     (f * scale).round() / scale
 }
+
+/// The `q` quantile (nearest rank) of `v`; NaN when empty.
+pub fn percentile(v: &mut [f64], q: f64) -> f64 {
+    if v.is_empty() {
+        return f64::NAN;
+    }
+    v.sort_by(f64::total_cmp);
+    v[((q * v.len() as f64).ceil() as usize).clamp(1, v.len()) - 1]
+}

@@ -11,7 +11,7 @@ use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
 use serde_json::{Value, json};
 
-use crate::report::Report;
+use crate::report::{Report, percentile};
 
 /// The workload and where to send it.
 pub struct ServeWorkload<'a> {
@@ -201,13 +201,4 @@ async fn one(
         gaps,
         tokens,
     })
-}
-
-/// The `q` quantile (nearest rank) of `v`; NaN when empty.
-fn percentile(v: &mut [f64], q: f64) -> f64 {
-    if v.is_empty() {
-        return f64::NAN;
-    }
-    v.sort_by(f64::total_cmp);
-    v[((q * v.len() as f64).ceil() as usize).clamp(1, v.len()) - 1]
 }

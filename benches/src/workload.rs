@@ -142,6 +142,35 @@ pub fn nano_bench(num_seqs: usize, max_input_len: u32, max_output_len: u32) -> V
         .collect()
 }
 
+/// vLLM's random dataset: `n` requests of `input_len` and `output_len` tokens, each scaled by
+/// a factor drawn uniformly from [1 − `range_ratio`, 1 + `range_ratio`], ids uniform below
+/// `vocab` (at most 10,000, like bench.py's).
+pub fn random_requests(
+    n: usize,
+    input_len: usize,
+    output_len: usize,
+    range_ratio: f64,
+    vocab: u32,
+    seed: u64,
+) -> Vec<WorkItem> {
+    use rand::{Rng, SeedableRng};
+    let mut rng = rand::rngs::StdRng::seed_from_u64(seed);
+    let scaled = |len: usize, rng: &mut rand::rngs::StdRng| {
+        let f = 1.0 + range_ratio * (2.0 * rng.random::<f64>() - 1.0);
+        ((len as f64 * f).round() as usize).max(1)
+    };
+    (0..n)
+        .map(|_| {
+            let len = scaled(input_len, &mut rng);
+            let max_tokens = scaled(output_len, &mut rng);
+            let prompt = (0..len)
+                .map(|_| rng.random_range(0..vocab.min(10_000)))
+                .collect();
+            WorkItem { prompt, max_tokens }
+        })
+        .collect()
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -168,5 +197,30 @@ mod tests {
         assert_eq!(lens, [964, 724, 484, 508, 316]);
         let outs: Vec<usize> = w.iter().take(5).map(|x| x.max_tokens).collect();
         assert_eq!(outs, [845, 312, 607, 843, 500]);
+    }
+
+    /// vLLM's random dataset: lengths within ± the range ratio, ids below the vocabulary,
+    /// the same requests for the same seed.
+    #[test]
+    fn random_requests_keep_their_ranges() {
+        let a = random_requests(200, 100, 40, 0.5, 300, 7);
+        assert_eq!(a.len(), 200);
+        assert!(a.iter().all(|w| (50..=150).contains(&w.prompt.len())));
+        assert!(a.iter().all(|w| (20..=60).contains(&w.max_tokens)));
+        assert!(a.iter().flat_map(|w| &w.prompt).all(|&t| t < 300));
+        let lens: std::collections::HashSet<usize> = a.iter().map(|w| w.prompt.len()).collect();
+        assert!(lens.len() > 20, "lengths vary");
+        let b = random_requests(200, 100, 40, 0.5, 300, 7);
+        assert!(
+            a.iter()
+                .zip(&b)
+                .all(|(x, y)| x.prompt == y.prompt && x.max_tokens == y.max_tokens)
+        );
+        let fixed = random_requests(5, 64, 8, 0.0, 1000, 1);
+        assert!(
+            fixed
+                .iter()
+                .all(|w| w.prompt.len() == 64 && w.max_tokens == 8)
+        );
     }
 }
