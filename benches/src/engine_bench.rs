@@ -5,7 +5,7 @@ use std::time::Instant;
 
 use anyhow::{Result, bail};
 use burn::tensor::{DType, Device};
-use burn_nanovllm::{EngineConfig, LLM, LLMEngine, Prompt, SamplingParams};
+use burn_nanovllm::{EngineConfig, EngineStats, LLM, LLMEngine, Prompt, SamplingParams};
 use model_qwen2::{Qwen2Config, Qwen2Model};
 use serde_json::json;
 
@@ -63,14 +63,7 @@ pub fn nano(
     for w in &mut work {
         w.prompt.iter_mut().for_each(|t| *t %= vocab);
     }
-    // bench.py warms up with one short prompt.
-    llm.generate(
-        &[Prompt::Tokens(vec![33, 44, 55, 66])],
-        &SamplingParams::default(),
-    )?;
-    let before = llm.engine().stats();
-    let (wall, outs) = timed_generate(&mut llm, &work, 0.6)?;
-    let stats = llm.engine().stats();
+    let (wall, outs, before, stats) = warm_then_time(&mut llm, &work)?;
     print_step_profile(llm.engine().step_records());
     if let Some((o, w)) = outs
         .iter()
@@ -179,13 +172,7 @@ pub fn throughput(
         vocab,
         w.seed,
     );
-    llm.generate(
-        &[Prompt::Tokens(vec![33, 44, 55, 66])],
-        &SamplingParams::default(),
-    )?;
-    let before = llm.engine().stats();
-    let (wall, outs) = timed_generate(&mut llm, &work, 0.6)?;
-    let stats = llm.engine().stats();
+    let (wall, outs, before, stats) = warm_then_time(&mut llm, &work)?;
     let prompt_tokens: usize = work.iter().map(|w| w.prompt.len()).sum();
     let output_tokens: usize = outs.iter().map(|o| o.token_ids.len()).sum();
     let mut report = Report::new(
@@ -278,6 +265,26 @@ pub fn latency(
         ]);
     }
     Ok(report)
+}
+
+/// bench.py's protocol: one short warm-up generation, then one timed `generate` of `work` at
+/// temperature 0.6; the wall time, the completions, and the engine counters before and after.
+fn warm_then_time(
+    llm: &mut LLM,
+    work: &[WorkItem],
+) -> Result<(
+    f64,
+    Vec<burn_nanovllm::Completion>,
+    EngineStats,
+    EngineStats,
+)> {
+    llm.generate(
+        &[Prompt::Tokens(vec![33, 44, 55, 66])],
+        &SamplingParams::default(),
+    )?;
+    let before = llm.engine().stats();
+    let (wall, outs) = timed_generate(llm, work, 0.6)?;
+    Ok((wall, outs, before, llm.engine().stats()))
 }
 
 /// One timed `generate` of a workload at `temperature` with `ignore_eos`.
