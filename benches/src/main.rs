@@ -6,6 +6,7 @@ mod attention;
 mod decode_step;
 mod engine_bench;
 mod linear;
+mod record;
 mod report;
 mod serve_bench;
 mod timing;
@@ -44,6 +45,10 @@ struct Cli {
     /// Write all tables as JSON here.
     #[arg(long)]
     out: Option<PathBuf>,
+    /// Append one JSON record per result row to this JSON-lines file (git commit, device,
+    /// dtype, engine options, command, the row), and the baseline CSV columns to its `.csv`.
+    #[arg(long)]
+    record: Option<PathBuf>,
     /// Model of the engine suites (random weights of its config).
     #[arg(long, default_value = "qwen2-0.5b")]
     dummy: String,
@@ -270,6 +275,16 @@ fn main() -> Result<()> {
             seed: cli.seed,
         };
         tables.push(serve_bench::run(&workload)?.json());
+    }
+    if let Some(path) = &cli.record {
+        let engine = serde_json::json!({
+            "model": cli.model.as_deref().unwrap_or(&cli.dummy),
+            "max_num_seqs": cli.max_num_seqs,
+            "max_num_batched_tokens": cli.max_num_batched_tokens,
+            "enforce_eager": cli.enforce_eager,
+        });
+        let ctx = record::RunContext::new(&cli.device, &format!("{dtype:?}"), engine);
+        record::append(path, &ctx, &tables)?;
     }
     if let Some(out) = cli.out {
         std::fs::write(&out, serde_json::to_string_pretty(&tables)?)

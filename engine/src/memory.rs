@@ -25,6 +25,20 @@ pub fn cuda_memory(_index: usize) -> Option<(usize, usize)> {
     None
 }
 
+/// The name of CUDA device `index` ("NVIDIA H100 80GB HBM3"), from the driver.
+#[cfg(feature = "cuda")]
+pub fn cuda_device_name(index: usize) -> Option<String> {
+    use cudarc::driver::result;
+    result::init().ok()?;
+    result::device::get_name(result::device::get(index as i32).ok()?).ok()
+}
+
+/// Without the CUDA runtime there is nothing to ask.
+#[cfg(not(feature = "cuda"))]
+pub fn cuda_device_name(_index: usize) -> Option<String> {
+    None
+}
+
 /// Bytes the decode graphs keep pinned per batch row beyond the KV pool: a recorded run
 /// cannot reuse the buffers it frees, so every activation of every layer stays, with the f32
 /// and model-dtype logits; doubled for the pools' page granularity.
