@@ -13,6 +13,8 @@ use serde_json::{Value, json};
 pub struct RunContext {
     pub git_sha: String,
     pub device: String,
+    /// The CUDA device of the run, whose memory in use is recorded.
+    pub cuda_index: Option<usize>,
     pub dtype: String,
     pub engine: Value,
     pub command: String,
@@ -29,13 +31,15 @@ impl RunContext {
             .filter(|o| o.status.success())
             .map(|o| String::from_utf8_lossy(&o.stdout).trim().to_string())
             .unwrap_or_else(|| "unknown".into());
-        let name = match device {
-            cubecl_kernels::DeviceKind::Cuda(i) => engine::memory::cuda_device_name(*i),
+        let cuda_index = match device {
+            cubecl_kernels::DeviceKind::Cuda(i) => Some(*i),
             _ => None,
         };
+        let name = cuda_index.and_then(engine::memory::cuda_device_name);
         Self {
             git_sha,
             device: name.unwrap_or_else(|| format!("{device:?}")),
+            cuda_index,
             dtype: dtype.into(),
             engine,
             command: std::env::args().collect::<Vec<_>>().join(" "),
@@ -43,14 +47,14 @@ impl RunContext {
     }
 }
 
-/// Device memory in use now (MiB; the pools keep their peak), or null off CUDA.
-fn memory_in_use_mb(device: &str) -> Value {
-    if !device.contains("NVIDIA") {
-        return Value::Null;
-    }
-    engine::memory::cuda_memory(0).map_or(Value::Null, |(free, total)| {
-        json!((total - free) as f64 / 1048576.0)
-    })
+/// Device memory in use now on CUDA device `index` (MiB; the pools keep their peak), or null
+/// off CUDA.
+fn memory_in_use_mb(index: Option<usize>) -> Value {
+    index
+        .and_then(engine::memory::cuda_memory)
+        .map_or(Value::Null, |(free, total)| {
+            json!((total - free) as f64 / 1048576.0)
+        })
 }
 
 /// The baseline columns of a row, from whichever of its fields the suite has.
@@ -81,7 +85,7 @@ fn csv_row(table: &str, row: &Value, peak: &Value) -> String {
 
 /// Appends a record (and a CSV row) for every row of every table.
 pub fn append(path: &Path, ctx: &RunContext, tables: &[Value]) -> Result<()> {
-    let peak = memory_in_use_mb(&ctx.device);
+    let peak = memory_in_use_mb(ctx.cuda_index);
     let open = |p: &Path| {
         std::fs::OpenOptions::new()
             .create(true)

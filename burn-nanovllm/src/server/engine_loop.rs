@@ -69,17 +69,36 @@ impl EngineHandle {
         let (ready_tx, ready_rx) = mpsc::channel();
         let alive = Arc::new(AtomicBool::new(true));
         let in_flight = Arc::new(AtomicUsize::new(0));
-        let thread = EngineThread {
-            engine: None,
-            commands: rx,
-            requests: HashMap::new(),
-            in_flight: in_flight.clone(),
-            metrics: metrics.clone(),
-            _alive: AliveGuard(alive.clone()),
-        };
+        let (thread_in_flight, thread_metrics) = (in_flight.clone(), metrics.clone());
+        let guard = AliveGuard(alive.clone());
         std::thread::Builder::new()
             .name("engine".into())
-            .spawn(move || thread.run(make, ready_tx))
+            .spawn(move || {
+                let _alive = guard;
+                let mut engine = match make() {
+                    Ok(e) => e,
+                    Err(e) => {
+                        let _ = ready_tx.send(Err(e));
+                        return;
+                    }
+                };
+                engine.set_stream_text(true);
+                let info = ModelInfo {
+                    tokenizer: engine.tokenizer().cloned(),
+                    defaults: engine.default_sampling_params(),
+                    max_model_len: engine.limits().max_model_len,
+                };
+                if ready_tx.send(Ok(info)).is_ok() {
+                    EngineThread {
+                        engine,
+                        commands: rx,
+                        requests: HashMap::new(),
+                        in_flight: thread_in_flight,
+                        metrics: thread_metrics,
+                    }
+                    .run();
+                }
+            })
             .map_err(|e| LlmError::Invalid(format!("cannot start the engine thread: {e}")))?;
         let info = ready_rx
             .recv()
@@ -163,40 +182,18 @@ struct Tracked {
 }
 
 struct EngineThread {
-    engine: Option<LLMEngine>,
+    engine: LLMEngine,
     commands: mpsc::Receiver<Command>,
     requests: HashMap<RequestId, Tracked>,
     in_flight: Arc<AtomicUsize>,
     metrics: Metrics,
-    _alive: AliveGuard,
 }
 
 impl EngineThread {
-    fn run(
-        mut self,
-        make: impl FnOnce() -> Result<LLMEngine, LlmError>,
-        ready: mpsc::Sender<Result<ModelInfo, LlmError>>,
-    ) {
-        let mut engine = match make() {
-            Ok(e) => e,
-            Err(e) => {
-                let _ = ready.send(Err(e));
-                return;
-            }
-        };
-        engine.set_stream_text(true);
-        let info = ModelInfo {
-            tokenizer: engine.tokenizer().cloned(),
-            defaults: engine.default_sampling_params(),
-            max_model_len: engine.limits().max_model_len,
-        };
-        self.engine = Some(engine);
-        if ready.send(Ok(info)).is_err() {
-            return;
-        }
+    fn run(mut self) {
         loop {
             // Idle: wait for work (the channel closes when the server is dropped).
-            if !self.engine().has_unfinished() {
+            if !self.engine.has_unfinished() {
                 match self.commands.recv() {
                     Ok(cmd) => self.handle(cmd),
                     Err(_) => return,
@@ -206,8 +203,8 @@ impl EngineThread {
                 self.handle(cmd);
             }
             self.abort_disconnected();
-            if self.engine().has_unfinished() {
-                match self.engine.as_mut().expect("engine").step() {
+            if self.engine.has_unfinished() {
+                match self.engine.step() {
                     // Gauges first: a client that sees its output sees the state after it.
                     Ok(outputs) => {
                         self.update_gauges();
@@ -220,12 +217,8 @@ impl EngineThread {
         }
     }
 
-    fn engine(&self) -> &LLMEngine {
-        self.engine.as_ref().expect("engine")
-    }
-
     fn handle(&mut self, cmd: Command) {
-        let engine = self.engine.as_mut().expect("engine");
+        let engine = &mut self.engine;
         match cmd {
             Command::Add {
                 prompt,
@@ -270,7 +263,7 @@ impl EngineThread {
         for id in gone {
             self.requests.remove(&id);
             self.in_flight.fetch_sub(1, Ordering::AcqRel);
-            let _ = self.engine.as_mut().expect("engine").abort(id);
+            let _ = self.engine.abort(id);
         }
     }
 
@@ -310,7 +303,7 @@ impl EngineThread {
 
     /// A failed step: every tracked request gets the error and is aborted.
     fn fail_all(&mut self, message: &str) {
-        let engine = self.engine.as_mut().expect("engine");
+        let engine = &mut self.engine;
         for (id, t) in self.requests.drain() {
             let _ = t.events.send(Event::Failed(message.to_string()));
             let _ = engine.abort(id);
@@ -319,7 +312,7 @@ impl EngineThread {
     }
 
     fn update_gauges(&self) {
-        let e = self.engine();
+        let e = &self.engine;
         let m = &self.metrics;
         m.running.set(e.num_running() as i64);
         m.waiting.set(e.num_waiting() as i64);

@@ -63,17 +63,23 @@ impl From<EngineError> for ApiError {
     }
 }
 
-impl IntoResponse for ApiError {
-    fn into_response(self) -> Response {
-        let body = serde_json::json!({
+impl ApiError {
+    /// The OpenAI error body (also sent as an event when a stream fails).
+    pub fn body(&self) -> serde_json::Value {
+        serde_json::json!({
             "error": {
                 "message": self.message,
                 "type": self.kind(),
                 "param": self.param,
                 "code": self.status.as_u16(),
             }
-        });
-        let mut response = (self.status, axum::Json(body)).into_response();
+        })
+    }
+}
+
+impl IntoResponse for ApiError {
+    fn into_response(self) -> Response {
+        let mut response = (self.status, axum::Json(self.body())).into_response();
         if let Some(secs) = self.retry_after {
             response
                 .headers_mut()

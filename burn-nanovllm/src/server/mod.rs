@@ -67,9 +67,7 @@ impl Server {
     ) -> Result<Self, LlmError> {
         let (metrics, registry) = Metrics::new();
         let engine = EngineHandle::spawn(make, config.max_pending, metrics)?;
-        let started = std::time::SystemTime::now()
-            .duration_since(std::time::UNIX_EPOCH)
-            .map_or(0, |d| d.as_secs());
+        let started = routes::unix_now();
         let state = Arc::new(AppState {
             engine,
             model_name: config.model_name.clone(),

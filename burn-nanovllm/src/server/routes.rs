@@ -34,7 +34,8 @@ pub struct AppState {
 
 pub type Shared = Arc<AppState>;
 
-fn unix_now() -> u64 {
+/// Seconds since the Unix epoch (OpenAI's `created`).
+pub fn unix_now() -> u64 {
     SystemTime::now()
         .duration_since(UNIX_EPOCH)
         .map_or(0, |d| d.as_secs())
@@ -339,14 +340,14 @@ impl Reply {
                 let out = match ev {
                     Event::Output(o) => o,
                     Event::Failed(msg) => {
-                        let err = json!({"error": {"message": msg, "type": "internal_error", "code": 500}});
-                        let _ = tx.send(Ok(SseEvent::default().data(err.to_string())));
+                        let err = ApiError::new(StatusCode::INTERNAL_SERVER_ERROR, msg);
+                        let _ = tx.send(Ok(SseEvent::default().data(err.body().to_string())));
                         break;
                     }
                 };
                 if let Some(FinishReason::Error(e)) = &out.finish_reason {
-                    let err = json!({"error": {"message": e, "type": "invalid_request_error", "code": 400}});
-                    let _ = tx.send(Ok(SseEvent::default().data(err.to_string())));
+                    let err = ApiError::bad_request(e.clone(), None);
+                    let _ = tx.send(Ok(SseEvent::default().data(err.body().to_string())));
                     break;
                 }
                 tokens += out.new_token_ids.len();
