@@ -1,9 +1,12 @@
 //! The decode step without attention (24 layers of RMSNorm, qkv, o_proj, gate/up, SiLU·mul,
 //! down; then norm and LM head), the same skeleton as `scripts/baselines/torch_decode_step.py`,
-//! with our ops and with Burn's, eager and replayed as a CUDA graph.
+//! with our ops and with Burn's, eager and replayed as a CUDA graph; and ours with paged
+//! attention (RoPE + KV write, decode attention over a 1,024-token context per row) in each
+//! layer, replayed as a graph.
 
 use burn::tensor::{DType, Device, Distribution, Tensor, activation::silu};
 use cubecl_kernels::rms_norm_linear::reference;
+use cubecl_kernels::{AttentionMetadata, LayerKvCache, Rope};
 use model_qwen2::Qwen2Config;
 use serde_json::json;
 
@@ -52,8 +55,73 @@ fn weights(c: &Qwen2Config, device: &Device, dtype: DType) -> Weights {
     }
 }
 
-/// Our ops: the residual add folded into the next fused norm + linear.
-fn step_ours(w: &Weights, x: &Tensor<2>) -> Tensor<2> {
+/// Context of every row in the step with attention.
+const ATTENTION_CONTEXT: usize = 1024;
+
+/// Paged attention of a decode step: one cache shared by the layers (each layer reads and
+/// writes as many bytes as with its own), `rows` sequences of `ATTENTION_CONTEXT` tokens in
+/// shuffled-free consecutive blocks, RoPE tables.
+struct Attention {
+    cache: LayerKvCache,
+    meta: AttentionMetadata,
+    cos: Tensor<2>,
+    sin: Tensor<2>,
+    heads: usize,
+    head_dim: usize,
+}
+
+impl Attention {
+    fn new(c: &Qwen2Config, rows: usize, device: &Device, dtype: DType) -> Self {
+        const BLOCK: usize = 16;
+        let per_seq = ATTENTION_CONTEXT.div_ceil(BLOCK);
+        let tables = (0..rows)
+            .map(|r| ((r * per_seq) as u32..((r + 1) * per_seq) as u32).collect())
+            .collect();
+        let meta = AttentionMetadata::new(
+            vec![1; rows],
+            vec![ATTENTION_CONTEXT; rows],
+            tables,
+            BLOCK,
+            device,
+        )
+        .expect("attention metadata");
+        let shape = [rows * per_seq, BLOCK, c.num_key_value_heads, c.head_dim];
+        let kv = || Tensor::<4>::random(shape, Distribution::Normal(0.0, 1.0), (device, dtype));
+        let table = || {
+            Tensor::<2>::random(
+                [ATTENTION_CONTEXT + 1, c.head_dim / 2],
+                Distribution::Uniform(-1.0, 1.0),
+                (device, dtype),
+            )
+        };
+        Self {
+            cache: LayerKvCache { k: kv(), v: kv() },
+            meta,
+            cos: table(),
+            sin: table(),
+            heads: c.num_attention_heads,
+            head_dim: c.head_dim,
+        }
+    }
+
+    /// `qkv [M, (heads + 2·kv_heads)·D]` → attention output `[M, heads·D]`.
+    fn attend(&mut self, qkv: Tensor<2>) -> Tensor<2> {
+        let m = qkv.dims()[0];
+        let rope = Rope {
+            cos: &self.cos,
+            sin: &self.sin,
+        };
+        let q =
+            cubecl_kernels::rope_store_kv(qkv, self.heads, None, rope, &self.meta, &mut self.cache);
+        let scale = 1.0 / (self.head_dim as f32).sqrt();
+        cubecl_kernels::paged_attention(q, &self.cache, &self.meta, scale)
+            .reshape([m, self.heads * self.head_dim])
+    }
+}
+
+/// Our ops: the residual add folded into the next fused norm + linear; with `attention`, each
+/// layer's o_proj reads the attention output instead of the query slice of `qkv`.
+fn step_ours(w: &Weights, x: &Tensor<2>, mut attention: Option<&mut Attention>) -> Tensor<2> {
     let (h, i) = (w.hidden, w.inter);
     let mut out: Option<Tensor<2>> = None;
     let mut res = x.clone();
@@ -78,7 +146,11 @@ fn step_ours(w: &Weights, x: &Tensor<2>) -> Tensor<2> {
                 res,
             ),
         };
-        let o = cubecl_kernels::linear(qkv.slice_dim(1, 0..h), l.wo.clone(), None);
+        let attn = match attention.as_deref_mut() {
+            Some(a) => a.attend(qkv),
+            None => qkv.slice_dim(1, 0..h),
+        };
+        let o = cubecl_kernels::linear(attn, l.wo.clone(), None);
         let (gu, r) =
             cubecl_kernels::add_rms_norm_linear(o, r, l.g2.clone(), l.wgu.clone(), None, 1e-6);
         let act = silu(gu.clone().slice_dim(1, 0..i)) * gu.slice_dim(1, i..2 * i);
@@ -126,6 +198,7 @@ pub fn run(
             "M",
             "ours_eager_ms",
             "ours_graph_ms",
+            "ours_graph_attn1k_ms",
             "burn_eager_ms",
             "burn_graph_ms",
             "rel_err",
@@ -138,11 +211,13 @@ pub fn run(
             Distribution::Normal(0.0, 1.0),
             (device, dtype),
         );
-        let eager_ours = median_us(device, 5, 10, || step_ours(&w, &x)) / 1e3;
-        let graph_ours = graph_us(device, 1, 10, || step_ours(&w, &x)) / 1e3;
+        let eager_ours = median_us(device, 5, 10, || step_ours(&w, &x, None)) / 1e3;
+        let graph_ours = graph_us(device, 1, 10, || step_ours(&w, &x, None)) / 1e3;
+        let mut attention = Attention::new(c, m, device, dtype);
+        let graph_attn = graph_us(device, 1, 10, || step_ours(&w, &x, Some(&mut attention))) / 1e3;
         let (err, eager_burn, graph_burn) = if with_burn {
             (
-                crate::linear::rel_err(step_ours(&w, &x), step_burn(&w, &x)),
+                crate::linear::rel_err(step_ours(&w, &x, None), step_burn(&w, &x)),
                 median_us(device, 5, 10, || step_burn(&w, &x)) / 1e3,
                 graph_us(device, 1, 10, || step_burn(&w, &x)) / 1e3,
             )
@@ -154,6 +229,7 @@ pub fn run(
             json!(m),
             json!(eager_ours),
             json!(graph_ours),
+            json!(graph_attn),
             json!(eager_burn),
             json!(graph_burn),
             json!(err),

@@ -1,5 +1,6 @@
 //! The fused RMSNorm + linear op and the plain linear op at Qwen2 shapes, against Burn's own
-//! rms_norm + matmul and matmul alone.
+//! rms_norm + matmul and matmul alone; `scripts/baselines/torch_linear.py` times cuBLAS
+//! (`F.linear`) on the same shapes, graph against graph, and `compare_linear.py` joins both.
 
 use burn::tensor::{DType, Device, Distribution, Tensor};
 use cubecl_kernels::rms_norm_linear::reference;
@@ -59,15 +60,13 @@ fn shapes(c: &Qwen2Config) -> Vec<Shape> {
     ]
 }
 
-/// Times every shape of `config` at every `m`; checks the fused op against the reference once
-/// per shape first (relative error in the table).
-/// `ms` applies to the fused products (qkv, gate/up); the plain ones (o_proj, down, LM head)
-/// are timed at the decode sizes among them (M ≤ 256), and only when `plain` is set.
+/// Times every product of `config` at every `m` (the LM head fused with the final norm, as the
+/// model runs it). With `baselines`, also Burn's own ops, and the fused op is checked against
+/// the reference (relative error in the table; NaN without).
 pub fn run(
     model: &str,
     config: &Qwen2Config,
     ms: &[usize],
-    plain: bool,
     baselines: bool,
     device: &Device,
     dtype: DType,
@@ -77,6 +76,8 @@ pub fn run(
         &[
             "model",
             "op",
+            "dtype",
+            "route",
             "M",
             "K",
             "N",
@@ -98,8 +99,7 @@ pub fn run(
         let b = s
             .bias
             .then(|| Tensor::<1>::random([s.n], Distribution::Normal(0.0, 0.1), (device, dtype)));
-        let wanted = |m: usize| (s.fused && s.name != "lm_head") || (plain && m <= 256);
-        for &m in ms.iter().filter(|&&m| wanted(m)) {
+        for &m in ms {
             let x = normal([m, s.k], 1.0);
             let ours = || {
                 if s.fused {
@@ -122,7 +122,13 @@ pub fn run(
                 }
             };
             let matmul = || x.clone().matmul(w.clone().transpose());
-            let err = rel_err(ours(), unfused());
+            let err = if baselines {
+                rel_err(ours(), unfused())
+            } else {
+                f64::NAN
+            };
+            let route = cubecl_kernels::linear_route(&x, s.n)
+                .map_or_else(|| "reference".to_string(), |r| format!("{r:?}"));
             let calls = ((1usize << 30) / (m * s.n * dtype.size())).clamp(1, 10);
             let reps = if m * s.k * s.n > 1 << 32 { 5 } else { 15 };
             let t_ours = graph_us(device, calls, reps, ours);
@@ -139,6 +145,8 @@ pub fn run(
             report.row(vec![
                 json!(model),
                 json!(s.name),
+                json!(format!("{dtype:?}").to_lowercase()),
+                json!(route),
                 json!(m),
                 json!(s.k),
                 json!(s.n),

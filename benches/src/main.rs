@@ -39,6 +39,10 @@ struct Cli {
     /// Skip Burn's own ops (the baselines) in the linear and step suites.
     #[arg(long)]
     ours_only: bool,
+    /// Linear suite: dtypes (comma-separated: bf16, f16, f32), instead of the device's default
+    /// (bf16 on CUDA, f32 elsewhere).
+    #[arg(long, value_delimiter = ',')]
+    dtypes: Vec<String>,
     /// Head shapes of the decode and prefill suites (comma-separated), instead of both.
     #[arg(long, value_delimiter = ',', default_values_t = ["qwen2-0.5b".to_string(), "qwen3-0.6b".to_string()])]
     models: Vec<String>,
@@ -130,6 +134,15 @@ fn config(name: &str) -> Result<Qwen2Config> {
     Qwen2Config::from_json(text).with_context(|| name.to_string())
 }
 
+fn parse_dtype(name: &str) -> Result<DType> {
+    Ok(match name {
+        "bf16" => DType::BF16,
+        "f16" => DType::F16,
+        "f32" => DType::F32,
+        _ => anyhow::bail!("unknown dtype {name} (expected bf16, f16 or f32)"),
+    })
+}
+
 fn main() -> Result<()> {
     let cli = Cli::parse();
     let device = cli.device.device()?;
@@ -152,23 +165,22 @@ fn main() -> Result<()> {
         } else {
             &cli.ms[..]
         };
-        for model in ["qwen2-0.5b", "qwen2-1.5b"] {
-            let mut c = config(model)?;
-            if q {
-                c.vocab_size = 1000;
+        let dtypes = if cli.dtypes.is_empty() {
+            vec![dtype]
+        } else {
+            cli.dtypes
+                .iter()
+                .map(|d| parse_dtype(d))
+                .collect::<Result<_>>()?
+        };
+        for dtype in dtypes {
+            for model in ["qwen2-0.5b", "qwen2-1.5b", "qwen3-0.6b"] {
+                let mut c = config(model)?;
+                if q {
+                    c.vocab_size = 1000;
+                }
+                tables.push(linear::run(model, &c, ms, !cli.ours_only, &device, dtype).json());
             }
-            tables.push(
-                linear::run(
-                    model,
-                    &c,
-                    ms,
-                    model == "qwen2-0.5b",
-                    !cli.ours_only,
-                    &device,
-                    dtype,
-                )
-                .json(),
-            );
         }
     }
     if want(Suite::Decode) {

@@ -1,14 +1,65 @@
 //! Environment knobs for benchmarks: alternative launch layouts and forced kernel paths, so that
-//! one binary measures its variants in one device command. Each call site reads its knob once
-//! (`OnceLock`); these helpers only parse.
+//! one binary measures its variants in one device command. All of them are read once, here,
+//! into [`Knobs`]; the launchers read the struct.
+
+use std::sync::OnceLock;
+
+/// Every benchmark knob of the kernels, as set in the environment at first use.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub(crate) struct Knobs {
+    /// `BURN_NANOVLLM_SKINNY_MAX_M=m`: the skinny linear kernel up to `m` rows, whatever the
+    /// weight size.
+    pub skinny_max_m: Option<usize>,
+    /// `BURN_NANOVLLM_SPLIT_K=0`: no K split in the cubek linear path.
+    pub split_k_off: bool,
+    /// `BURN_NANOVLLM_CUBLAS=0`: the portable linear paths even where cuBLASLt is present.
+    pub cublas_off: bool,
+    /// `BURN_NANOVLLM_PREFILL_FMA` set: the FMA prefill kernel even where tensor cores exist.
+    pub prefill_fma: bool,
+    /// `BURN_NANOVLLM_PREFILL_CMMA` set: the portable-cmma prefill kernel even where manual MMA
+    /// exists.
+    pub prefill_cmma: bool,
+    /// `BURN_NANOVLLM_PREFILL_TILE=planes,block_k`: the cmma prefill tile.
+    pub prefill_tile: Option<(usize, usize)>,
+    /// `BURN_NANOVLLM_PREFILL_MMA=heads_per_cube,row_blocks,block_k`: the manual-MMA prefill
+    /// layout.
+    pub prefill_mma: Option<(usize, usize, usize)>,
+    /// `BURN_NANOVLLM_DECODE=lanes,heads_per_unit,tile`: the decode unit layout on plane
+    /// devices.
+    pub decode_layout: Option<(usize, usize, usize)>,
+    /// `BURN_NANOVLLM_DECODE_MMA=planes`: planes of the tensor-core decode kernel (0: never it).
+    pub decode_mma_planes: Option<usize>,
+}
+
+impl Knobs {
+    /// The knobs of this process (read from the environment on the first call).
+    pub(crate) fn get() -> &'static Knobs {
+        static KNOBS: OnceLock<Knobs> = OnceLock::new();
+        KNOBS.get_or_init(Self::from_env)
+    }
+
+    fn from_env() -> Self {
+        Self {
+            skinny_max_m: numbers("BURN_NANOVLLM_SKINNY_MAX_M").map(|[m]| m),
+            split_k_off: std::env::var("BURN_NANOVLLM_SPLIT_K").is_ok_and(|v| v == "0"),
+            cublas_off: std::env::var("BURN_NANOVLLM_CUBLAS").is_ok_and(|v| v == "0"),
+            prefill_fma: is_set("BURN_NANOVLLM_PREFILL_FMA"),
+            prefill_cmma: is_set("BURN_NANOVLLM_PREFILL_CMMA"),
+            prefill_tile: numbers("BURN_NANOVLLM_PREFILL_TILE").map(|[p, k]| (p, k)),
+            prefill_mma: numbers("BURN_NANOVLLM_PREFILL_MMA").map(|[h, r, k]| (h, r, k)),
+            decode_layout: numbers("BURN_NANOVLLM_DECODE").map(|[l, h, t]| (l, h, t)),
+            decode_mma_planes: numbers("BURN_NANOVLLM_DECODE_MMA").map(|[p]| p),
+        }
+    }
+}
 
 /// True if `name` is set (to anything).
-pub(crate) fn is_set(name: &str) -> bool {
+fn is_set(name: &str) -> bool {
     std::env::var_os(name).is_some()
 }
 
 /// `name=a,b,…` with exactly `N` unsigned integers, else `None`.
-pub(crate) fn numbers<const N: usize>(name: &str) -> Option<[usize; N]> {
+fn numbers<const N: usize>(name: &str) -> Option<[usize; N]> {
     let text = std::env::var(name).ok()?;
     let values: Vec<usize> = text
         .split(',')

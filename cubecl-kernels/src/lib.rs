@@ -33,8 +33,11 @@ pub use attention::{
 pub use device::DeviceKind;
 pub use error::KernelError;
 pub use host_write::write_ints;
+#[cfg(feature = "cuda")]
+pub use rms_norm_linear::cublas_unavailable_reason;
 pub use rms_norm_linear::{
-    FusedRmsNormLinear, add_rms_norm_linear, check_args, linear, rms_norm, rms_norm_linear,
+    FusedRmsNormLinear, LinearRoute, add_rms_norm_linear, check_args, linear, linear_route,
+    rms_norm, rms_norm_linear,
 };
 pub use sampling::{SamplingRow, sample};
 

@@ -28,8 +28,6 @@
 //! Lanes walk their half rows in a rotated order so that a plane's accesses hit distinct banks. Shared memory per cube:
 //! see `CmmaPrefillConfig::shared_bytes`; the launcher picks the tile from the device's limit.
 
-use std::sync::OnceLock;
-
 use burn::backend::cubecl::dtype_to_storage_type;
 use burn::tensor::DType;
 use burn_cubecl::tensor::CubeTensor;
@@ -37,6 +35,7 @@ use cubecl::prelude::{CubeCount, CubeDim};
 
 use super::prefill_mma::{MmaPrefillConfig, paged_prefill_mma};
 use crate::device_caps::DeviceCaps;
+use crate::knobs::Knobs;
 use crate::ops::PrefillPlan;
 
 pub(crate) mod kernel {
@@ -480,13 +479,6 @@ pub(crate) mod kernel {
     }
 }
 
-/// `BURN_NANOVLLM_PREFILL_FMA` set (read once): the FMA kernel even where tensor cores exist, for
-/// benchmarks.
-fn force_fma_override() -> bool {
-    static VALUE: OnceLock<bool> = OnceLock::new();
-    *VALUE.get_or_init(|| crate::knobs::is_set("BURN_NANOVLLM_PREFILL_FMA"))
-}
-
 /// The tensor-core launch for this device and shape, if any: four planes (64 queries) per cube,
 /// 64 keys per stage at `D ≤ 64` and 32 above (64 and 76 KiB of shared memory at `D` = 64 and
 /// 128), falling back to fewer planes where shared memory or the vector tiling do not fit.
@@ -499,10 +491,13 @@ fn cmma_config(
     head_dim: usize,
     vec: usize,
 ) -> Option<kernel::CmmaPrefillConfig> {
-    if !caps.cmma_16x16x16(dtype) || !head_dim.is_multiple_of(16) || force_fma_override() {
+    let knobs = Knobs::get();
+    if !caps.cmma_16x16x16(dtype) || !head_dim.is_multiple_of(16) || knobs.prefill_fma {
         return None;
     }
-    let preferred = tile_override().unwrap_or((4, if head_dim <= 64 { 64 } else { 32 }));
+    let preferred = knobs
+        .prefill_tile
+        .unwrap_or((4, if head_dim <= 64 { 64 } else { 32 }));
     [preferred, (2, 32), (1, 32)]
         .into_iter()
         .map(|(planes, block_k)| kernel::CmmaPrefillConfig {
@@ -520,21 +515,6 @@ fn cmma_config(
         })
 }
 
-/// `BURN_NANOVLLM_PREFILL_TILE=planes,block_k` (read once).
-fn tile_override() -> Option<(usize, usize)> {
-    static VALUE: OnceLock<Option<[usize; 2]>> = OnceLock::new();
-    VALUE
-        .get_or_init(|| crate::knobs::numbers("BURN_NANOVLLM_PREFILL_TILE"))
-        .map(|[p, k]| (p, k))
-}
-
-/// `BURN_NANOVLLM_PREFILL_CMMA` set (read once): the portable-cmma kernel even where manual MMA
-/// exists, for benchmarks.
-fn force_cmma_override() -> bool {
-    static VALUE: OnceLock<bool> = OnceLock::new();
-    *VALUE.get_or_init(|| crate::knobs::is_set("BURN_NANOVLLM_PREFILL_CMMA"))
-}
-
 /// The manual-MMA launch for this device and shape, if any: four 16-row query blocks per head
 /// and 32 keys per stage; narrow GQA groups (`G ≤ 2`) put the whole group in one cube, sharing
 /// its K/V stages (8 planes for Qwen3), wider ones one head per cube (sharing across Qwen2-0.5B's
@@ -548,13 +528,14 @@ fn mma_config(
     head_dim: usize,
     vec: usize,
 ) -> Option<MmaPrefillConfig> {
-    if !super::mma_fits(caps, dtype, head_dim, vec) || force_fma_override() || force_cmma_override()
-    {
+    let knobs = Knobs::get();
+    if !super::mma_fits(caps, dtype, head_dim, vec) || knobs.prefill_fma || knobs.prefill_cmma {
         return None;
     }
     let group = heads / kv_heads;
     let default = (if group <= 2 { group } else { 1 }, 4, 32);
-    let (heads_per_cube, row_blocks, block_k) = mma_override()
+    let (heads_per_cube, row_blocks, block_k) = knobs
+        .prefill_mma
         .filter(|(h, r, _)| *h > 0 && *r > 0 && group.is_multiple_of(*h))
         .unwrap_or(default);
     let cfg = MmaPrefillConfig {
@@ -569,14 +550,6 @@ fn mma_config(
         && cfg.units() <= caps.max_cube_units
         && cfg.shared_bytes(dtype.size()) <= caps.shared_bytes)
         .then_some(cfg)
-}
-
-/// `BURN_NANOVLLM_PREFILL_MMA=heads_per_cube,row_blocks,block_k` (read once).
-fn mma_override() -> Option<(usize, usize, usize)> {
-    static VALUE: OnceLock<Option<[usize; 3]>> = OnceLock::new();
-    VALUE
-        .get_or_init(|| crate::knobs::numbers("BURN_NANOVLLM_PREFILL_MMA"))
-        .map(|[h, r, k]| (h, r, k))
 }
 
 /// Host side of prefill attention. `q [T, heads, D]`; `plan.query_lens` are the host copies of

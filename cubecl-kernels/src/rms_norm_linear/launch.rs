@@ -1,19 +1,24 @@
 //! Host side of the RMSNorm + linear family on CubeCL runtimes: argument checks, output
 //! allocation, kernel choice and launch geometry (the device code is in `kernel.rs`).
 //!
-//! Paths, by the number of rows `M` (crossovers measured on an H200, docs/BENCHMARKS.md):
-//! - `M ≤ 8`, or `M ≤ 32` with a weight that fits a quarter of the last-level cache:
-//!   `linear_skinny`, which streams each weight row once per 8 rows (decode sizes);
-//! - larger `M` on devices with bf16/f16 tensor cores: `rms_stats` writes the normalised rows,
-//!   then cubek's autotuned tensor-core matmul (Burn's `float_matmul`) does the product (it beat
-//!   our own tiled cmma kernel 2–4× at every M ≥ 64 we measured, so that one was retired), split
-//!   along K into one batched matmul when the output alone gives too few cubes (`split_k`);
-//! - elsewhere (f32, CPU runtimes): `linear_tiled` with FMA register tiles.
+//! Routes ([`LinearRoute`]), by the number of rows `M` (crossovers measured on an H100,
+//! docs/BENCHMARKS.md):
+//! - with cuBLASLt `M ≤ 4`, without it `M ≤ 8` or `M ≤ 32` with a weight that fits a quarter of
+//!   the last-level cache: `linear_skinny`, which streams each weight row once per 8 rows
+//!   (decode sizes; at M = 8, 16 and 32 cuBLASLt was 1.0–4.5× faster on every Qwen product on
+//!   the H100, at M = 1 the skinny kernel matches PyTorch);
+//! - larger `M` on CUDA devices where libcublasLt loads: `rms_stats` writes the normalised rows
+//!   (`[M, K]`: 0.5 MB at M = 256 against 1–136 MB of weights), then cuBLASLt does the product
+//!   with the bias as its epilogue (`cublas.rs`). cuBLASLt's per-row scale vector applies to
+//!   rows of its column-major output, which are our output features, not our tokens, so the
+//!   RMSNorm row scale cannot ride in its epilogue;
+//! - larger `M` elsewhere on devices with bf16/f16 tensor cores: the same normalised rows, then
+//!   cubek's autotuned tensor-core matmul (Burn's `float_matmul`), split along K into one batched
+//!   matmul when the output alone gives too few cubes (`split_k`);
+//! - elsewhere (f32 without cuBLASLt, CPU runtimes): `linear_tiled` with FMA register tiles.
 //!
-//! `BURN_NANOVLLM_SKINNY_MAX_M` overrides the skinny bound and `BURN_NANOVLLM_SPLIT_K=0` turns
-//! the K split off, for benchmarks.
-
-use std::sync::OnceLock;
+//! Benchmark knobs (`knobs.rs`): `BURN_NANOVLLM_SKINNY_MAX_M` overrides the skinny bound,
+//! `BURN_NANOVLLM_SPLIT_K=0` turns the K split off, `BURN_NANOVLLM_CUBLAS=0` leaves cuBLASLt out.
 
 use burn::backend::cubecl::dtype_to_storage_type;
 use burn::backend::ops::FloatTensorOps;
@@ -25,6 +30,7 @@ use cubecl::zspace::metadata::Metadata;
 
 use super::kernel::{SkinnyConfig, TiledConfig, linear_skinny, linear_tiled, rms_stats};
 use crate::device_caps::DeviceCaps;
+use crate::knobs::Knobs;
 use crate::{unit_inner_stride, vector_size};
 
 /// Rows per register tile of the skinny kernel: up to this `M` the weight is read once.
@@ -33,9 +39,66 @@ const SKINNY_TILE_M: usize = 8;
 /// Largest `M` for the skinny kernel when the weight stays cache-resident across row tiles.
 const SKINNY_CACHED_MAX_M: usize = 32;
 
+/// Largest `M` for the skinny kernel where cuBLASLt serves the device.
+const SKINNY_MAX_M_WITH_CUBLAS: usize = 4;
+
 /// Last-level cache assumed where the runtime does not report one (CUDA does not, today):
 /// 48 MiB, about an H100's L2 (an H200 has 60 MB).
 const CACHE_FALLBACK_BYTES: usize = 48 << 20;
+
+/// Which implementation computes a product of the linear family.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum LinearRoute {
+    /// `linear_skinny`: few rows, each weight row streamed once per 8 rows.
+    Skinny,
+    /// cuBLASLt on CubeCL's stream.
+    CublasLt,
+    /// cubek's autotuned tensor-core matmul (Burn's `float_matmul`).
+    Cubek,
+    /// `linear_tiled`: FMA register tiles (f32, CPU runtimes).
+    Tiled,
+}
+
+/// The route for `x [M, K] · W [N, K]ᵀ` on `device`, by the rules of the module doc.
+pub(crate) fn route(
+    m: usize,
+    n: usize,
+    k: usize,
+    dtype: DType,
+    device: &cubecl::Device,
+    caps: &DeviceCaps,
+) -> LinearRoute {
+    let cached = n * k * dtype.size() <= caps.cache_bytes.unwrap_or(CACHE_FALLBACK_BYTES) / 4;
+    let cublas = cublas_device(device).is_some();
+    let skinny = k < 16
+        || match Knobs::get().skinny_max_m {
+            Some(max) => m <= max,
+            None if cublas => m <= SKINNY_MAX_M_WITH_CUBLAS,
+            None => m <= SKINNY_TILE_M || (cached && m <= SKINNY_CACHED_MAX_M),
+        };
+    if skinny {
+        LinearRoute::Skinny
+    } else if cublas {
+        LinearRoute::CublasLt
+    } else if caps.cmma_16x16x16(dtype) {
+        LinearRoute::Cubek
+    } else {
+        LinearRoute::Tiled
+    }
+}
+
+/// The CUDA device index if cuBLASLt may serve `device`.
+fn cublas_device(device: &cubecl::Device) -> Option<usize> {
+    #[cfg(feature = "cuda")]
+    {
+        super::cublas::usable(device)
+    }
+    #[cfg(not(feature = "cuda"))]
+    {
+        let _ = device;
+        None
+    }
+}
 
 /// The fused op on CubeCL tensors: `h = x (+ residual)`, `y = rms_norm(h)·Wᵀ (+ b)` (without
 /// `gamma`, a plain linear). Returns `(y [M, N], h [M, K])`. Arguments were checked by
@@ -54,13 +117,8 @@ pub(crate) fn fused_linear(
     let n = w.meta.shape()[0];
     let caps = DeviceCaps::of(&x.client);
     let dtype = x.dtype;
-    let cached = n * k * dtype.size() <= caps.cache_bytes.unwrap_or(CACHE_FALLBACK_BYTES) / 4;
-    let skinny = k < 16
-        || match skinny_max_m_override() {
-            Some(max) => m <= max,
-            None => m <= SKINNY_TILE_M || (cached && m <= SKINNY_CACHED_MAX_M),
-        };
-    let matmul = !skinny && caps.cmma_16x16x16(dtype);
+    let route = route(m, n, k, dtype, &x.device, &caps);
+    let matmul = matches!(route, LinearRoute::CublasLt | LinearRoute::Cubek);
 
     // Row statistics (and the residual sum, and for the matmul path the normalised rows) once
     // per row.
@@ -118,6 +176,22 @@ pub(crate) fn fused_linear(
 
     if matmul {
         let lhs = normed.unwrap_or_else(|| h.clone());
+        #[cfg(feature = "cuda")]
+        if route == LinearRoute::CublasLt {
+            let y = alloc([m, n], dtype);
+            let index = cublas_device(&x.device);
+            // On failure (reported once, cuBLASLt then off for the device) the cubek path below
+            // computes the product instead.
+            if m == 0
+                || n == 0
+                || index.is_some_and(|i| {
+                    let bias = bias.clone().map(unit_inner_stride);
+                    super::cublas::gemm(i, &lhs, &w, bias.as_ref(), &y).is_ok()
+                })
+            {
+                return (y, h);
+            }
+        }
         let y = match split_k(m, n, k, &caps) {
             Some(splits) => split_k_matmul(lhs, w, splits),
             None => CubeBackend::float_matmul(lhs, CubeBackend::float_transpose(w)),
@@ -139,7 +213,7 @@ pub(crate) fn fused_linear(
     let gamma = gamma.unwrap_or_else(|| h.clone());
     let bias = bias.unwrap_or_else(|| h.clone());
 
-    if skinny {
+    if route == LinearRoute::Skinny {
         let vec = vector_size(dtype, &[k, h.meta.strides()[0], w.meta.strides()[0]]);
         let cfg = SkinnyConfig {
             rows: 4,
@@ -222,7 +296,7 @@ const SPLIT_K_MAX_M: usize = 64;
 /// the square or wide projections (o_proj, qkv, gate/up) measured slower, so they are not split.
 /// `BURN_NANOVLLM_SPLIT_K=0` switches it off, for benchmarks.
 fn split_k(m: usize, n: usize, k: usize, caps: &DeviceCaps) -> Option<usize> {
-    if split_k_off() || m > SPLIT_K_MAX_M || k < 4 * n {
+    if Knobs::get().split_k_off || m > SPLIT_K_MAX_M || k < 4 * n {
         return None;
     }
     let cubes = m.div_ceil(MATMUL_TILE[0]) * n.div_ceil(MATMUL_TILE[1]);
@@ -258,20 +332,6 @@ fn split_k_matmul(x: CubeTensor, w: CubeTensor, splits: usize) -> CubeTensor {
     } else {
         CubeBackend::float_cast(y, dtype.into())
     }
-}
-
-/// `BURN_NANOVLLM_SPLIT_K=0` (read once).
-fn split_k_off() -> bool {
-    static VALUE: OnceLock<bool> = OnceLock::new();
-    *VALUE.get_or_init(|| std::env::var("BURN_NANOVLLM_SPLIT_K").is_ok_and(|v| v == "0"))
-}
-
-/// `BURN_NANOVLLM_SKINNY_MAX_M` (read once): a fixed skinny bound, for benchmarks.
-fn skinny_max_m_override() -> Option<usize> {
-    static VALUE: OnceLock<Option<[usize; 1]>> = OnceLock::new();
-    VALUE
-        .get_or_init(|| crate::knobs::numbers("BURN_NANOVLLM_SKINNY_MAX_M"))
-        .map(|[m]| m)
 }
 
 fn dims2(t: &CubeTensor) -> [usize; 2] {

@@ -3,14 +3,19 @@
 //! On CubeCL devices these run our kernels (`kernel.rs`, launched by `launch.rs`); elsewhere the
 //! plain-Burn composition in `reference.rs`, which also defines what they compute.
 
+#[cfg(feature = "cuda")]
+mod cublas;
 pub(crate) mod kernel;
 pub(crate) mod launch;
 mod module;
 pub mod reference;
 
+#[cfg(feature = "cuda")]
+pub use cublas::cublas_unavailable_reason;
+pub use launch::LinearRoute;
 pub use module::FusedRmsNormLinear;
 
-use burn::backend::Dispatch;
+use burn::backend::{Dispatch, DispatchDevice};
 use burn::tensor::{DType, Tensor};
 
 use crate::KernelError;
@@ -86,6 +91,21 @@ pub fn linear(x: Tensor<2>, weight: Tensor<2>, bias: Option<Tensor<1>>) -> Tenso
         return reference::linear(x, weight, bias);
     }
     dispatch(x, None, None, weight, bias, 0.0).0
+}
+
+/// The implementation [`linear`] and the fused ops take for `x [M, K]` (its device, dtype and
+/// `M`) and a weight `[N, K]`; `None` off CubeCL devices (the plain-Burn reference).
+pub fn linear_route(x: &Tensor<2>, n: usize) -> Option<LinearRoute> {
+    #[allow(unreachable_patterns)]
+    match x.device().as_dispatch() {
+        #[cfg(any(feature = "cpu", feature = "cuda"))]
+        DispatchDevice::Cube(device) => {
+            let [m, k] = x.dims();
+            let caps = crate::device_caps::DeviceCaps::of(&device.client());
+            Some(launch::route(m, n, k, x.dtype(), device, &caps))
+        }
+        _ => None,
+    }
 }
 
 fn dispatch(

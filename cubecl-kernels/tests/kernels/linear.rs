@@ -6,9 +6,9 @@ use cubecl_kernels::rms_norm_linear::reference;
 use super::common::*;
 
 /// Awkward shapes: M = 1, 3 (skinny kernel), 257 (tiled, ragged last tile); K not a multiple
-/// of any tile or vector; N = 1 and ragged. On tensor-core GPUs, 64 × 1024 → 200 (bf16) takes
-/// the matmul path split along K.
-const SHAPES: [(usize, usize, usize); 7] = [
+/// of any tile or vector; N = 1 and ragged. On CUDA, M ≥ 40 takes cuBLASLt (or, with
+/// `BURN_NANOVLLM_CUBLAS=0`, cubek's matmul, 64 × 1024 → 200 split along K).
+const SHAPES: [(usize, usize, usize); 8] = [
     (1, 96, 1),
     (1, 100, 67),
     (3, 37, 130),
@@ -16,6 +16,7 @@ const SHAPES: [(usize, usize, usize); 7] = [
     (257, 72, 67),
     (40, 24, 33),
     (64, 1024, 200),
+    (300, 128, 96),
 ];
 
 struct Case {
@@ -50,7 +51,14 @@ impl Case {
 fn check(name: &str, c: &Case, bias: bool) {
     let (kd, rd) = (kernel_device(), reference_device());
     let dt = c.dtype;
-    let what = format!("{name} {:?} M={} K={} N={} bias={bias}", dt, c.m, c.k, c.n);
+    let route = {
+        let x = tensor(&c.x, [c.m, c.k], dt, &kd);
+        cubecl_kernels::linear_route(&x, c.n)
+    };
+    let what = format!(
+        "{name} {:?} M={} K={} N={} bias={bias} route={route:?}",
+        dt, c.m, c.k, c.n
+    );
     let eps = 1e-6;
     let run = |dev: &burn::tensor::Device,
                dtype: DType,
@@ -120,6 +128,38 @@ fn fused_ops_match_reference_half_precision() {
         check("add_rms_norm_linear", &c, true);
         check("linear", &c, false);
     }
+}
+
+/// The route of each size: skinny at decode sizes; above them cuBLASLt on CUDA (unless
+/// switched off), cubek's matmul with half precision on tensor-core devices, else FMA tiles.
+#[test]
+fn routes_follow_the_size_rules() {
+    use cubecl_kernels::LinearRoute;
+    let dev = kernel_device();
+    let on_cuda = matches!(
+        std::env::var("KERNEL_TEST_DEVICE").as_deref(),
+        Ok(d) if d.starts_with("cuda")
+    );
+    let cublas = on_cuda && std::env::var("BURN_NANOVLLM_CUBLAS").as_deref() != Ok("0");
+    let route = |m: usize, dtype: DType| {
+        let x = tensor(&vec![0.5; m * 64], [m, 64], dtype, &dev);
+        cubecl_kernels::linear_route(&x, 96).expect("a CubeCL device")
+    };
+    for dtype in [DType::F32, DType::BF16] {
+        assert_eq!(route(1, dtype), LinearRoute::Skinny, "{dtype:?}");
+        assert_eq!(route(4, dtype), LinearRoute::Skinny, "{dtype:?}");
+        let large = route(300, dtype);
+        let expected = if cublas {
+            LinearRoute::CublasLt
+        } else if on_cuda && dtype == DType::BF16 {
+            LinearRoute::Cubek
+        } else {
+            LinearRoute::Tiled
+        };
+        assert_eq!(large, expected, "{dtype:?} M = 300");
+    }
+    let x = tensor(&[0.5; 64], [1, 64], DType::F32, &reference_device());
+    assert_eq!(cubecl_kernels::linear_route(&x, 96), None);
 }
 
 #[test]

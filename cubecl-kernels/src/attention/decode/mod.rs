@@ -34,15 +34,6 @@ const WIDE_GROUP: usize = 4;
 /// Planes (key streams) per cube of the tensor-core kernel.
 const MMA_PLANES: usize = 4;
 
-/// `BURN_NANOVLLM_DECODE_MMA=planes` (read once; 0 = never the tensor-core kernel), for
-/// benchmarks.
-fn mma_planes_override() -> Option<usize> {
-    static VALUE: std::sync::OnceLock<Option<[usize; 1]>> = std::sync::OnceLock::new();
-    VALUE
-        .get_or_init(|| crate::knobs::numbers("BURN_NANOVLLM_DECODE_MMA"))
-        .map(|[p]| p)
-}
-
 /// Most context splits of one (sequence, kv head); the combine walks them serially.
 const MAX_SPLITS: usize = 64;
 
@@ -169,7 +160,9 @@ pub(crate) fn paged_decode(
         group,
         head_dim: d,
         kv_heads,
-        planes: mma_planes_override().unwrap_or(MMA_PLANES),
+        planes: crate::knobs::Knobs::get()
+            .decode_mma_planes
+            .unwrap_or(MMA_PLANES),
         split: false,
     };
     let kernel = if (WIDE_GROUP..=16).contains(&group)

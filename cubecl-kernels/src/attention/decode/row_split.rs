@@ -18,8 +18,6 @@
 //!
 //! Memory layout: see [`super`].
 
-use std::sync::OnceLock;
-
 use burn::tensor::DType;
 use cubecl::prelude::*;
 
@@ -282,7 +280,10 @@ pub(super) fn row_split_config(
     };
     let mut heads_per_unit = group;
     let mut tile = TILE_KEYS;
-    if let Some((l, h, t)) = layout_override().filter(|_| caps.plane_ops) {
+    if let Some((l, h, t)) = crate::knobs::Knobs::get()
+        .decode_layout
+        .filter(|_| caps.plane_ops)
+    {
         if l.is_power_of_two() && l <= caps.plane_size && dv.is_multiple_of(l) {
             lanes = l;
         }
@@ -311,13 +312,4 @@ pub(super) fn row_split_config(
         split: false,
         unroll: caps.plane_ops,
     }
-}
-
-/// `BURN_NANOVLLM_DECODE=lanes,heads_per_unit,tile` (read once): another unit layout on plane
-/// devices, for benchmarks.
-fn layout_override() -> Option<(usize, usize, usize)> {
-    static VALUE: OnceLock<Option<[usize; 3]>> = OnceLock::new();
-    VALUE
-        .get_or_init(|| crate::knobs::numbers("BURN_NANOVLLM_DECODE"))
-        .map(|[l, h, t]| (l, h, t))
 }

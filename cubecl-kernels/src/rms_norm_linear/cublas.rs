@@ -1,0 +1,488 @@
+//! cuBLASLt for the linear family on CUDA devices: `y [M, N] = x [M, K] · W [N, K]ᵀ (+ b)`.
+//!
+//! Layout: cuBLAS is column-major, so the product is computed as `yᵀ [N, M] = W · xᵀ`:
+//! A = W (`K × N`, ld = W's row pitch, transposed), B = x (`K × M`, ld = x's row pitch),
+//! D = y (`N × M`, ld = y's row pitch). The bias is cuBLASLt's BIAS epilogue (one value per row
+//! of D: per output feature). Accumulation and scaling in f32 (`CUBLAS_COMPUTE_32F`: f32
+//! operands are not rounded to TF32).
+//!
+//! Ordering: the call is enqueued on CubeCL's own stream — the stream the patched
+//! `GpuResource` carries (vendor/README.md) — from CubeCL's device thread (`Client::exclusive`),
+//! after `get_resource` has made every earlier launch of this thread reach it. It thus runs
+//! between our kernels, is recorded by CUDA-graph capture like them, and never runs on another
+//! thread while a capture is open (CubeCL captures in CUDA's global mode, where a driver call
+//! from any other thread invalidates the capture).
+//!
+//! Capture rules: cuBLAS gets a 32 MiB workspace per stream, a persistent CubeCL buffer (left to
+//! itself it would allocate one inside the graph, which CubeCL rejects; two streams never share
+//! one); the handle and each shape's plan (descriptors, layouts, the heuristic's algorithm) are
+//! made on first use, which the engine's warm-up runs before any capture.
+
+use std::any::Any;
+use std::collections::HashMap;
+use std::ffi::c_void;
+use std::sync::{Mutex, OnceLock};
+
+use burn::tensor::DType;
+use burn_cubecl::tensor::CubeTensor;
+use cudarc::cublaslt::{result as lt, sys};
+use cudarc::driver::sys::CUstream;
+
+use crate::knobs::Knobs;
+
+type CudaServer = <cubecl::cuda::CudaRuntime as cubecl_runtime::runtime::Runtime>::Server;
+
+/// Workspace handed to every cuBLASLt call (what its split-K algorithms may use).
+const WORKSPACE_BYTES: usize = 32 << 20;
+
+/// cuBLAS's `CUBLAS_OP_T` (the cuBLASLt bindings do not carry `cublasOperation_t`).
+const CUBLAS_OP_T: i32 = 1;
+
+/// One matmul shape: everything its descriptors and algorithm depend on.
+#[derive(Clone, Copy, Debug, Hash, PartialEq, Eq)]
+struct PlanKey {
+    m: usize,
+    n: usize,
+    k: usize,
+    /// Row pitches of x, W and y, in elements.
+    ld: [usize; 3],
+    /// Address alignment of x, W and y, bytes (at most 256).
+    align: [usize; 3],
+    dtype: DType,
+    bias: bool,
+}
+
+/// The descriptors and chosen algorithm of one shape.
+struct Plan {
+    desc: sys::cublasLtMatmulDesc_t,
+    a: sys::cublasLtMatrixLayout_t,
+    b: sys::cublasLtMatrixLayout_t,
+    d: sys::cublasLtMatrixLayout_t,
+    algo: sys::cublasLtMatmulAlgo_t,
+}
+
+/// cuBLASLt state of one CUDA device.
+struct DeviceLt {
+    handle: sys::cublasLtHandle_t,
+    plans: HashMap<PlanKey, Plan>,
+}
+
+// SAFETY: the raw handles are only used under the `DEVICES` mutex.
+unsafe impl Send for DeviceLt {}
+
+/// Per CUDA device index: its state, or why cuBLASLt cannot serve it.
+static DEVICES: Mutex<Vec<(usize, Result<DeviceLt, String>)>> = Mutex::new(Vec::new());
+
+/// A stream's workspace: the persistent buffer (its handle and pinned resource, kept for the
+/// process) and its address.
+struct Workspace {
+    _keep: Box<dyn Any + Send>,
+    ptr: u64,
+}
+
+/// Workspaces by (device index, stream address).
+static WORKSPACES: Mutex<Vec<((usize, usize), Workspace)>> = Mutex::new(Vec::new());
+
+/// The CUDA device index of `device`, if cuBLASLt may serve it: CUDA, the library loadable, not
+/// switched off (`BURN_NANOVLLM_CUBLAS=0`) and no earlier failure on that device.
+pub(crate) fn usable(device: &cubecl::Device) -> Option<usize> {
+    #[allow(unreachable_patterns)]
+    let index = match device {
+        cubecl::Device::Cuda(d) => d.index,
+        _ => return None,
+    };
+    if Knobs::get().cublas_off || !library_present() {
+        return None;
+    }
+    let devices = DEVICES.lock().unwrap_or_else(|e| e.into_inner());
+    match devices.iter().find(|(i, _)| *i == index) {
+        Some((_, Err(_))) => None,
+        _ => Some(index),
+    }
+}
+
+/// Why cuBLASLt does not serve CUDA device `index`, if it does not (`None`: it does, or has not
+/// been asked yet).
+pub fn cublas_unavailable_reason(index: usize) -> Option<String> {
+    if Knobs::get().cublas_off {
+        return Some("switched off by BURN_NANOVLLM_CUBLAS=0".into());
+    }
+    if !library_present() {
+        return Some("libcublasLt could not be loaded".into());
+    }
+    let devices = DEVICES.lock().unwrap_or_else(|e| e.into_inner());
+    devices
+        .iter()
+        .find(|(i, _)| *i == index)
+        .and_then(|(_, state)| state.as_ref().err().cloned())
+}
+
+fn library_present() -> bool {
+    static PRESENT: OnceLock<bool> = OnceLock::new();
+    // SAFETY: only tries to open the library.
+    *PRESENT.get_or_init(|| unsafe { sys::is_culib_present() })
+}
+
+/// Why a call was not enqueued.
+enum Failure {
+    /// This call only (the device thread was busy): the next one may succeed.
+    Transient(String),
+    /// cuBLASLt cannot serve the device.
+    Fatal(String),
+}
+
+/// Writes `y = x · wᵀ (+ bias)` on CUDA device `index`. `x [M, K]`, `w [N, K]`, `y [M, N]` of
+/// one dtype (f32, f16 or bf16) with unit inner strides, `bias [N]`. On failure nothing was
+/// enqueued and the error is returned, so that the caller can take another path; a failure of
+/// cuBLASLt itself also marks the device unusable (with the reason, printed once).
+pub(crate) fn gemm(
+    index: usize,
+    x: &CubeTensor,
+    w: &CubeTensor,
+    bias: Option<&CubeTensor>,
+    y: &CubeTensor,
+) -> Result<(), String> {
+    match enqueue(index, x, w, bias, y) {
+        Ok(()) => Ok(()),
+        Err(Failure::Transient(reason)) => Err(reason),
+        Err(Failure::Fatal(reason)) => {
+            let mut devices = DEVICES.lock().unwrap_or_else(|e| e.into_inner());
+            devices.retain(|(i, _)| *i != index);
+            devices.push((index, Err(reason.clone())));
+            eprintln!(
+                "burn-nanovllm: cuBLASLt disabled on cuda:{index}, using CubeCL kernels: {reason}"
+            );
+            Err(reason)
+        }
+    }
+}
+
+fn enqueue(
+    index: usize,
+    x: &CubeTensor,
+    w: &CubeTensor,
+    bias: Option<&CubeTensor>,
+    y: &CubeTensor,
+) -> Result<(), Failure> {
+    let (m, k) = (x.meta.shape()[0], x.meta.shape()[1]);
+    let n = w.meta.shape()[0];
+    let dtype = x.dtype;
+    let data_type = match dtype {
+        DType::F32 => sys::cudaDataType::CUDA_R_32F,
+        DType::F16 => sys::cudaDataType::CUDA_R_16F,
+        DType::BF16 => sys::cudaDataType::CUDA_R_16BF,
+        other => return Err(Failure::Fatal(format!("dtype {other:?} is not supported"))),
+    };
+    // The resources pin their allocations until the call is enqueued; `get_resource` is
+    // answered on the device thread after every earlier launch of this thread was issued.
+    let resource = |t: &CubeTensor| {
+        t.client
+            .get_resource::<CudaServer>(t.handle.clone())
+            .map_err(|e| Failure::Transient(format!("get_resource: {e:?}")))
+    };
+    let (xr, wr, yr) = (resource(x)?, resource(w)?, resource(y)?);
+    let br = bias.map(resource).transpose()?;
+    let stream = yr.resource().stream;
+    if xr.resource().stream != stream || wr.resource().stream != stream {
+        return Err(Failure::Transient(
+            "operands resolved to different CUDA streams".into(),
+        ));
+    }
+    let ptrs = [xr.resource().ptr, wr.resource().ptr, yr.resource().ptr];
+    let pitch = |t: &CubeTensor, width: usize| t.meta.strides()[0].max(width);
+    let key = PlanKey {
+        m,
+        n,
+        k,
+        ld: [pitch(x, k), pitch(w, k), pitch(y, n)],
+        align: ptrs.map(|p| 1usize << p.trailing_zeros().min(8)),
+        dtype,
+        bias: bias.is_some(),
+    };
+
+    let workspace = workspace(index, stream, y).map_err(Failure::Transient)?;
+    let call = Call {
+        index,
+        key,
+        data_type,
+        ptrs,
+        bias: br.as_ref().map_or(0, |b| b.resource().ptr),
+        workspace,
+        stream,
+    };
+    // The resources stay held (their allocations pinned) until the call was enqueued.
+    let result = y
+        .client
+        .exclusive(move || call.enqueue())
+        .map_err(|e| Failure::Transient(format!("exclusive: {e:?}")))?;
+    drop((xr, wr, yr, br));
+    result.map_err(Failure::Fatal)
+}
+
+/// The workspace of `stream` on device `index`, allocated (persistent, from `like`'s client) on
+/// first use.
+fn workspace(index: usize, stream: CUstream, like: &CubeTensor) -> Result<u64, String> {
+    let key = (index, stream as usize);
+    let mut workspaces = WORKSPACES.lock().unwrap_or_else(|e| e.into_inner());
+    if let Some((_, w)) = workspaces.iter().find(|(k, _)| *k == key) {
+        return Ok(w.ptr);
+    }
+    let client = &like.client;
+    let handle = client.memory_persistent_allocation((), |()| client.empty(WORKSPACE_BYTES));
+    let resource = client
+        .get_resource::<CudaServer>(handle.clone())
+        .map_err(|e| format!("workspace: {e:?}"))?;
+    let ptr = resource.resource().ptr;
+    workspaces.push((
+        key,
+        Workspace {
+            _keep: Box::new((handle, resource)),
+            ptr,
+        },
+    ));
+    Ok(ptr)
+}
+
+/// One cuBLASLt call, run on CubeCL's device thread.
+struct Call {
+    index: usize,
+    key: PlanKey,
+    data_type: sys::cudaDataType,
+    /// Addresses of x, W and y.
+    ptrs: [u64; 3],
+    /// Address of the bias (0: none).
+    bias: u64,
+    workspace: u64,
+    stream: CUstream,
+}
+
+// SAFETY: the stream handle is only passed to cuBLASLt, on the device thread that owns it.
+unsafe impl Send for Call {}
+
+impl Call {
+    fn enqueue(self) -> Result<(), String> {
+        let Self {
+            index,
+            key,
+            data_type,
+            ptrs,
+            bias,
+            workspace,
+            stream,
+        } = self;
+        let mut devices = DEVICES.lock().unwrap_or_else(|e| e.into_inner());
+        if !devices.iter().any(|(i, _)| *i == index) {
+            devices.push((index, DeviceLt::new()));
+        }
+        let state = devices
+            .iter_mut()
+            .find(|(i, _)| *i == index)
+            .map(|(_, s)| s)
+            .expect("inserted above");
+        let lt_state = state.as_mut().map_err(|e| e.clone())?;
+        let handle = lt_state.handle;
+        let plan = match lt_state.plans.entry(key) {
+            std::collections::hash_map::Entry::Occupied(e) => e.into_mut(),
+            std::collections::hash_map::Entry::Vacant(e) => {
+                e.insert(Plan::new(handle, &key, data_type)?)
+            }
+        };
+        let (alpha, beta) = (1.0f32, 0.0f32);
+        let PlanKey { m, n, k, .. } = key;
+        // SAFETY: the descriptors are alive (owned by the plan); the caller holds the operands'
+        // resources until this returns; the shapes and pitches are the ones the layouts
+        // describe; the workspace belongs to this stream and is as large as the heuristic was
+        // told.
+        unsafe {
+            if key.bias {
+                set_desc(
+                    plan.desc,
+                    sys::cublasLtMatmulDescAttributes_t::CUBLASLT_MATMUL_DESC_BIAS_POINTER,
+                    &(bias as *const c_void),
+                )?;
+            }
+            lt::matmul(
+                handle,
+                plan.desc,
+                (&alpha as *const f32).cast(),
+                (&beta as *const f32).cast(),
+                ptrs[1] as *const c_void,
+                plan.a,
+                ptrs[0] as *const c_void,
+                plan.b,
+                ptrs[2] as *const c_void,
+                plan.d,
+                ptrs[2] as *mut c_void,
+                plan.d,
+                &plan.algo,
+                workspace as *mut c_void,
+                WORKSPACE_BYTES,
+                stream as _,
+            )
+            .map_err(|e| format!("cublasLtMatmul {m}x{n}x{k}: {e:?}"))
+        }
+    }
+}
+
+impl DeviceLt {
+    /// Runs on the device thread, where CubeCL's context is current.
+    fn new() -> Result<Self, String> {
+        let handle = lt::create_handle().map_err(|e| format!("cublasLtCreate: {e:?}"))?;
+        Ok(Self {
+            handle,
+            plans: HashMap::new(),
+        })
+    }
+}
+
+impl Plan {
+    fn new(
+        handle: sys::cublasLtHandle_t,
+        key: &PlanKey,
+        data_type: sys::cudaDataType,
+    ) -> Result<Self, String> {
+        let err = |what: &str, e: &dyn std::fmt::Debug| format!("{what}: {e:?}");
+        let (m, n, k) = (key.m as u64, key.n as u64, key.k as u64);
+        let [ldx, ldw, ldy] = key.ld.map(|l| l as i64);
+        let desc = lt::create_matmul_desc(
+            sys::cublasComputeType_t::CUBLAS_COMPUTE_32F,
+            sys::cudaDataType::CUDA_R_32F,
+        )
+        .map_err(|e| err("matmul descriptor", &e))?;
+        let layout = |rows, cols, ld| {
+            lt::create_matrix_layout(data_type, rows, cols, ld).map_err(|e| err("layout", &e))
+        };
+        let mut plan = Self {
+            desc,
+            a: layout(k, n, ldw)?,
+            b: layout(k, m, ldx)?,
+            d: layout(n, m, ldy)?,
+            // Replaced by the heuristic's pick below.
+            algo: unsafe { std::mem::zeroed() },
+        };
+        // SAFETY: the descriptors were just created and are owned by `plan` (freed on drop).
+        unsafe {
+            set_desc(
+                desc,
+                sys::cublasLtMatmulDescAttributes_t::CUBLASLT_MATMUL_DESC_TRANSA,
+                &CUBLAS_OP_T,
+            )?;
+            if key.bias {
+                set_desc(
+                    desc,
+                    sys::cublasLtMatmulDescAttributes_t::CUBLASLT_MATMUL_DESC_EPILOGUE,
+                    &sys::cublasLtEpilogue_t::CUBLASLT_EPILOGUE_BIAS,
+                )?;
+            }
+            let pref = lt::create_matmul_pref().map_err(|e| err("preference", &e))?;
+            use sys::cublasLtMatmulPreferenceAttributes_t as P;
+            let [align_x, align_w, align_y] = key.align.map(|a| a as u32);
+            let heuristic = set_pref(
+                pref,
+                P::CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES,
+                &(WORKSPACE_BYTES as u64),
+            )
+            .and_then(|()| {
+                set_pref(
+                    pref,
+                    P::CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_A_BYTES,
+                    &align_w,
+                )
+            })
+            .and_then(|()| {
+                set_pref(
+                    pref,
+                    P::CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_B_BYTES,
+                    &align_x,
+                )
+            })
+            .and_then(|()| {
+                set_pref(
+                    pref,
+                    P::CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_C_BYTES,
+                    &align_y,
+                )
+            })
+            .and_then(|()| {
+                set_pref(
+                    pref,
+                    P::CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_D_BYTES,
+                    &align_y,
+                )
+            })
+            .and_then(|()| {
+                lt::get_matmul_algo_heuristic(handle, desc, plan.a, plan.b, plan.d, plan.d, pref)
+                    .map_err(|e| {
+                        err(
+                            &format!("no cuBLASLt algorithm for {m}x{n}x{k} {:?}", key.dtype),
+                            &e,
+                        )
+                    })
+            });
+            let _ = lt::destroy_matmul_pref(pref);
+            let heuristic = heuristic?;
+            if heuristic.workspaceSize > WORKSPACE_BYTES {
+                return Err(format!(
+                    "the algorithm wants {} bytes of workspace",
+                    heuristic.workspaceSize
+                ));
+            }
+            plan.algo = heuristic.algo;
+            Ok(plan)
+        }
+    }
+}
+
+impl Drop for Plan {
+    fn drop(&mut self) {
+        // SAFETY: created by `Plan::new`, destroyed once.
+        unsafe {
+            let _ = lt::destroy_matrix_layout(self.a);
+            let _ = lt::destroy_matrix_layout(self.b);
+            let _ = lt::destroy_matrix_layout(self.d);
+            let _ = lt::destroy_matmul_desc(self.desc);
+        }
+    }
+}
+
+/// Sets one matmul-preference attribute to `value`.
+///
+/// # Safety
+/// `pref` must be alive and `T` the attribute's type.
+unsafe fn set_pref<T>(
+    pref: sys::cublasLtMatmulPreference_t,
+    attr: sys::cublasLtMatmulPreferenceAttributes_t,
+    value: &T,
+) -> Result<(), String> {
+    // SAFETY: forwarded from the caller.
+    unsafe {
+        lt::set_matmul_pref_attribute(
+            pref,
+            attr,
+            (value as *const T).cast(),
+            std::mem::size_of::<T>(),
+        )
+    }
+    .map_err(|e| format!("preference attribute {attr:?}: {e:?}"))
+}
+
+/// Sets one matmul-descriptor attribute to `value`.
+///
+/// # Safety
+/// `desc` must be alive and `T` the attribute's type.
+unsafe fn set_desc<T>(
+    desc: sys::cublasLtMatmulDesc_t,
+    attr: sys::cublasLtMatmulDescAttributes_t,
+    value: &T,
+) -> Result<(), String> {
+    // SAFETY: forwarded from the caller.
+    unsafe {
+        lt::set_matmul_desc_attribute(
+            desc,
+            attr,
+            (value as *const T).cast(),
+            std::mem::size_of::<T>(),
+        )
+    }
+    .map_err(|e| format!("matmul attribute {attr:?}: {e:?}"))
+}
