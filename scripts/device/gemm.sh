@@ -8,7 +8,8 @@ cd "$(dirname "$0")/../.."
 mkdir -p /tmp/bin
 for f in dist/*.xz; do xz -dc "$f" > "/tmp/bin/$(basename "$f" .xz)" && chmod +x "/tmp/bin/$(basename "$f" .xz)"; done
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem --format=csv,noheader
-MS=${MS:-8,16,32,64,128,256,1024,4096}
+MS=${MS:-1,2,4,8,16,32,64,128,256,1024,4096}
+DTYPES=${DTYPES:-bf16,f16}
 if [ -x /tmp/bin/kernels ]; then
   echo "== kernel tests on CUDA (cuBLASLt)"
   KERNEL_TEST_DEVICE=cuda timeout 240 /tmp/bin/kernels 2>&1 | tee "$OUT/kernel_tests.log" | grep -E "^test |test result|panicked|route=Cublas" | head -40
@@ -17,19 +18,21 @@ if [ -x /tmp/bin/kernels ]; then
 fi
 if [ -x /tmp/bin/benches ]; then
   echo "== benches linear (ours)"
-  timeout 200 /tmp/bin/benches linear --device cuda --ours-only --ms "$MS" --dtypes bf16,f16 --out "$OUT/linear.json" > "$OUT/linear.log" 2>&1; tail -3 "$OUT/linear.log"
+  timeout 200 /tmp/bin/benches linear --device cuda --ours-only --ms "$MS" --dtypes "$DTYPES" --out "$OUT/linear.json" > "$OUT/linear.log" 2>&1; tail -3 "$OUT/linear.log"
   echo "== torch_linear.py (cuBLAS)"
-  PYTHONUNBUFFERED=1 timeout 150 python3 scripts/baselines/torch_linear.py --ms "$MS" > "$OUT/torch_linear.csv" 2>&1; tail -2 "$OUT/torch_linear.csv"
+  PYTHONUNBUFFERED=1 timeout 150 python3 scripts/baselines/torch_linear.py --ms "$MS" --dtypes "$DTYPES" > "$OUT/torch_linear.csv" 2>&1; tail -2 "$OUT/torch_linear.csv"
   python3 scripts/baselines/compare_linear.py "$OUT/linear.json" "$OUT/torch_linear.csv" | tee "$OUT/linear_compare.md" | tail -20
-  echo "== cuBLASLt at M = 8 instead of the skinny kernel (BURN_NANOVLLM_SKINNY_MAX_M=4)"
-  BURN_NANOVLLM_SKINNY_MAX_M=4 timeout 60 /tmp/bin/benches linear --device cuda --ours-only --ms 8 --dtypes bf16 --out "$OUT/linear_m8_cublas.json" > "$OUT/linear_m8_cublas.log" 2>&1
-  python3 scripts/baselines/compare_linear.py "$OUT/linear_m8_cublas.json" "$OUT/torch_linear.csv" > "$OUT/linear_m8_cublas_compare.md"; tail -2 "$OUT/linear_m8_cublas_compare.md"
+  echo "== cuBLASLt at M = 1..8 instead of the skinny kernel (BURN_NANOVLLM_SKINNY_MAX_M=0)"
+  BURN_NANOVLLM_SKINNY_MAX_M=0 timeout 60 /tmp/bin/benches linear --device cuda --ours-only --ms 1,2,4,8 --dtypes bf16 --out "$OUT/linear_small_cublas.json" > "$OUT/linear_small_cublas.log" 2>&1
+  python3 scripts/baselines/compare_linear.py "$OUT/linear_small_cublas.json" "$OUT/torch_linear.csv" > "$OUT/linear_small_cublas_compare.md"; tail -5 "$OUT/linear_small_cublas_compare.md"
   echo "== decode step (ours, then PyTorch)"
   timeout 150 /tmp/bin/benches step --device cuda --ours-only --out "$OUT/step.json" 2>&1 | tee "$OUT/step.log" | grep -v "^\s*$" | tail -6
   PYTHONUNBUFFERED=1 timeout 60 python3 scripts/baselines/torch_decode_step.py 2>&1 | tee "$OUT/torch_decode_step.csv"
   if [ -n "${NANO:-}" ]; then
     echo "== bench.py workload (benches nano, Qwen2-0.5B dummy)"
-    timeout 200 /tmp/bin/benches nano --device cuda --out "$OUT/nano.json" 2>&1 | tee "$OUT/nano.log" | grep -v "^\s*$" | tail -5
+    timeout 200 /tmp/bin/benches nano --device cuda --out "$OUT/nano.json" 2>&1 | tee "$OUT/nano.log" | grep -v "^\s*$" | tail -2
+    echo "== bench.py workload (Qwen3-0.6B dummy)"
+    timeout 200 /tmp/bin/benches nano --device cuda --dummy qwen3-0.6b --out "$OUT/nano-qwen3.json" 2>&1 | tee "$OUT/nano-qwen3.log" | grep -v "^\s*$" | tail -2
   fi
 fi
 tar -C "$OUT" -czf "$OUT/gemm-results.tgz" --exclude gemm-results.tgz . 2>/dev/null

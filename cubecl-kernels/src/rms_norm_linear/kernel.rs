@@ -4,13 +4,16 @@
 //! layout) are row-major with a unit stride along `K` and any row pitch; the output `y [M, N]` is
 //! row-major. Every product accumulates in f32 whatever the storage type `F`.
 //!
-//! The RMSNorm is applied on the fly: `rms_stats` writes `inv_rms [M]` (f32) once per row, and
-//! the product kernels multiply each `x` element by the norm weight `g[k]` as it is loaded and
-//! each finished dot product by `inv_rms[m]`, so the normalised activations never reach memory.
+//! On the skinny and tiled routes the RMSNorm is applied on the fly: `rms_stats` writes
+//! `inv_rms [M]` (f32) once per row, and the product kernels multiply each `x` element by the norm
+//! weight `g[k]` as it is loaded and each finished dot product by `inv_rms[m]`, so the normalised
+//! activations never reach memory. The matmul routes (cuBLASLt, cubek) cannot scale their rows
+//! that way: `rms_norm_rows` (or `rms_stats` with `write_normed` off plane devices) writes them.
 //!
 //! | kernel | grid | cube |
 //! | --- | --- | --- |
 //! | `rms_stats` | one cube per row `m` | `cube_dim` units striding over `K` |
+//! | `rms_norm_rows` (matmul routes, plane devices) | one cube per `CUBE_DIM_Y` rows | one plane per row striding over `K` in vectors |
 //! | `linear_skinny` (small `M`) | one cube per `rows` output features | `cube_dim` units striding over `K` in vectors; loops over `M` in tiles of `m_tile` rows |
 //! | `linear_tiled` (large `M`, no tensor cores) | one cube per `bm × bn` output tile | `bm·bn/16` units |
 
@@ -132,6 +135,67 @@ pub fn rms_stats<F: Float>(
             let at = row * normed.stride(0) + i;
             normed[at] = F::cast_from(f32::cast_from(v) * inv * f32::cast_from(gamma[i]));
             i += CUBE_DIM_X as usize;
+        }
+    }
+}
+
+/// `h = x (+ residual)` (written to `h_out` with a residual) and `normed = h·inv_rms·g`: what the
+/// matmul routes (cuBLASLt, cubek) multiply. The same arithmetic as [`rms_stats`] with
+/// `write_normed`, laid out for plane devices: no shared memory and no cube barrier.
+///
+/// Grid: `ceil(M / CUBE_DIM_Y)` cubes; cube: `CUBE_DIM_Y` planes of `PLANE_DIM` units, one plane
+/// per row. Each plane strides over its row in vectors of `NV` elements, sums the squares with a
+/// plane sum, then revisits the same vectors (cache-resident) to write the normalised row.
+/// `x`, `residual`, `h_out`, `normed`: `[M, K]`; `gamma`: `[K]`.
+#[cube(launch_unchecked)]
+#[allow(clippy::too_many_arguments)]
+pub fn rms_norm_rows<F: Float, NV: Size>(
+    x: &Tensor<Vector<F, NV>>,
+    residual: &Tensor<Vector<F, NV>>,
+    gamma: &Tensor<Vector<F, NV>>,
+    h_out: &mut Tensor<Vector<F, NV>>,
+    normed: &mut Tensor<Vector<F, NV>>,
+    eps: f32,
+    #[comptime] has_residual: bool,
+    #[define(F)] _dtype: ElemType,
+) {
+    let nv = x.vector_size();
+    let row = (CUBE_POS_X * CUBE_DIM_Y + UNIT_POS_Y) as usize;
+    if row < x.shape(0) {
+        let k = x.shape(1);
+        let k_vecs = k / nv;
+        let x_at = row * (x.stride(0) / nv);
+        let r_at = row * (residual.stride(0) / nv);
+        let h_at = row * (h_out.stride(0) / nv);
+        let n_at = row * (normed.stride(0) / nv);
+        let mut acc = 0.0f32;
+        let mut i = UNIT_POS_X as usize;
+        while i < k_vecs {
+            let mut v = x[x_at + i];
+            if comptime!(has_residual) {
+                v += residual[r_at + i];
+                h_out[h_at + i] = v;
+            }
+            let f = Vector::<f32, NV>::cast_from(v);
+            #[unroll]
+            for e in 0..nv {
+                acc += f.extract(e) * f.extract(e);
+            }
+            i += PLANE_DIM as usize;
+        }
+        let inv = f32::inverse_sqrt(plane_sum(acc) / f32::cast_from(k) + eps);
+        let mut i = UNIT_POS_X as usize;
+        while i < k_vecs {
+            let v = if comptime!(has_residual) {
+                h_out[h_at + i]
+            } else {
+                x[x_at + i]
+            };
+            let scaled = Vector::<f32, NV>::cast_from(v)
+                * Vector::<f32, NV>::new(inv)
+                * Vector::<f32, NV>::cast_from(gamma[i]);
+            normed[n_at + i] = Vector::<F, NV>::cast_from(scaled);
+            i += PLANE_DIM as usize;
         }
     }
 }

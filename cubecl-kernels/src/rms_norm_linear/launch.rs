@@ -28,7 +28,9 @@ use burn_cubecl::{CubeBackend, ops::numeric::empty_device_dtype, tensor::CubeTen
 use cubecl::prelude::{CubeCount, CubeDim};
 use cubecl::zspace::metadata::Metadata;
 
-use super::kernel::{SkinnyConfig, TiledConfig, linear_skinny, linear_tiled, rms_stats};
+use super::kernel::{
+    SkinnyConfig, TiledConfig, linear_skinny, linear_tiled, rms_norm_rows, rms_stats,
+};
 use crate::device_caps::DeviceCaps;
 use crate::knobs::Knobs;
 use crate::{unit_inner_stride, vector_size};
@@ -144,7 +146,37 @@ pub(crate) fn fused_linear(
             .map(unit_inner_stride)
             .unwrap_or_else(|| x.clone());
         let g = gamma.clone().unwrap_or_else(|| x.clone());
-        if m > 0 {
+        if m > 0 && write_normed && caps.plane_ops {
+            let vec = vector_size(
+                dtype,
+                &[
+                    k,
+                    x.meta.strides()[0],
+                    r.meta.strides()[0],
+                    h.meta.strides()[0],
+                    out_normed.meta.strides()[0],
+                ],
+            );
+            let rows = (caps.cube_units / caps.plane_size).max(1);
+            // SAFETY: one plane per row, rows past `M` do nothing; `K` and the row pitches are
+            // multiples of the vector, so every vector index is below the row's `K / vec`.
+            unsafe {
+                rms_norm_rows::launch_unchecked(
+                    &client,
+                    CubeCount::Static(m.div_ceil(rows) as u32, 1, 1),
+                    CubeDim::new_2d(caps.plane_size as u32, rows as u32),
+                    vec,
+                    x.clone().into_tensor_arg(),
+                    r.into_tensor_arg(),
+                    g.into_tensor_arg(),
+                    h.clone().into_tensor_arg(),
+                    out_normed.clone().into_tensor_arg(),
+                    eps,
+                    residual.is_some(),
+                    dtype_to_storage_type(dtype),
+                );
+            }
+        } else if m > 0 {
             // SAFETY: one cube per row; every index is below the row's `K` (checked shapes).
             unsafe {
                 rms_stats::launch_unchecked(
