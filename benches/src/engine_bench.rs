@@ -10,7 +10,7 @@ use model_qwen2::{Qwen2Config, Qwen2Model};
 use serde_json::json;
 
 use crate::report::{Report, percentile};
-use crate::workload::{WorkItem, nano_bench, random_requests};
+use crate::workload::{WorkItem, nano_bench, random_requests, shared_prefix_requests};
 
 /// How the engine is set up for a run.
 pub struct EngineSetup<'a> {
@@ -25,20 +25,20 @@ pub struct EngineSetup<'a> {
 }
 
 fn build(setup: &EngineSetup<'_>, device: &Device, dtype: DType) -> Result<LLM> {
-    let mut llm = match setup.dir {
-        Some(dir) => LLM::new(dir, setup.engine.clone())?,
-        None => {
-            let model = Qwen2Model::dummy(setup.config.clone(), dtype, device);
-            LLM::from_engine(LLMEngine::with_model(
-                model,
-                None,
-                device.clone(),
-                setup.engine.clone(),
-            )?)
-        }
-    };
+    let mut llm = LLM::from_engine(build_engine(setup, device, dtype)?);
     llm.set_progress(false);
     Ok(llm)
+}
+
+/// The engine of `setup`: its checkpoint, or random weights of its config.
+pub fn build_engine(setup: &EngineSetup<'_>, device: &Device, dtype: DType) -> Result<LLMEngine> {
+    Ok(match setup.dir {
+        Some(dir) => LLMEngine::new(dir, setup.engine.clone())?,
+        None => {
+            let model = Qwen2Model::dummy(setup.config.clone(), dtype, device);
+            LLMEngine::with_model(model, None, device.clone(), setup.engine.clone())?
+        }
+    })
 }
 
 /// nano-vLLM's `bench.py`: 256 random prompts of 100–1024 tokens, 100–1024 output tokens each,
@@ -262,6 +262,103 @@ pub fn latency(
             json!(ms(0.9)),
             json!(ms(0.99)),
             json!((batch * w.output_len) as f64 / mean),
+        ]);
+    }
+    Ok(report)
+}
+
+/// The shared-prefix workload of `prefix`.
+pub struct PrefixWorkload {
+    pub num_prompts: usize,
+    pub prefix_len: usize,
+    pub suffix_len: usize,
+    pub output_len: usize,
+    pub seed: u64,
+}
+
+/// vLLM's prefix-caching benchmark: `num_prompts` requests sharing one prefix, each with its
+/// own suffix, greedy with `ignore_eos`, all at t = 0 after one request has put the prefix in
+/// the cache; once with prefix caching on, once off (a fresh engine each). Prefix-hit ratio
+/// (hit / queried prompt tokens), TTFT percentiles, prompt tokens computed and throughput.
+pub fn prefix(
+    setup: &EngineSetup<'_>,
+    w: &PrefixWorkload,
+    device: &Device,
+    dtype: DType,
+) -> Result<Report> {
+    let mut report = Report::new(
+        &format!("engine prefix caching {} {dtype:?}", setup.model),
+        &[
+            "model",
+            "prefix_caching",
+            "num_prompts",
+            "prefix_len",
+            "suffix_len",
+            "output_len",
+            "wall_s",
+            "output_tok_s",
+            "prefix_hit_tokens",
+            "prefix_queried_tokens",
+            "hit_ratio",
+            "prompt_tokens_computed",
+            "ttft_p50_ms",
+            "ttft_p90_ms",
+            "ttft_p99_ms",
+        ],
+    );
+    for caching in [true, false] {
+        let run = EngineSetup {
+            engine: EngineConfig {
+                enable_prefix_caching: caching,
+                ..setup.engine.clone()
+            },
+            ..*setup
+        };
+        let mut llm = build(&run, device, dtype)?;
+        let vocab = llm.engine().model_config().vocab_size as u32;
+        let (prefix, work) = shared_prefix_requests(
+            w.num_prompts,
+            w.prefix_len,
+            w.suffix_len,
+            w.output_len,
+            vocab,
+            w.seed,
+        );
+        // Puts the prefix in the cache (when caching) and warms the step sizes up.
+        let mut first = prefix.clone();
+        first.extend([1, 2, 3, 4]);
+        llm.generate(&[Prompt::Tokens(first)], &SamplingParams::greedy(4))?;
+        let before = llm.engine().stats();
+        let (wall, outs) = timed_generate(&mut llm, &work, 0.0)?;
+        let after = llm.engine().stats();
+        let mut ttft: Vec<f64> = outs
+            .iter()
+            .filter_map(|o| o.metrics.as_ref()?.time_to_first_token)
+            .map(|d| d.as_secs_f64())
+            .collect();
+        if ttft.len() != outs.len() {
+            bail!("a request reported no time to first token");
+        }
+        let output_tokens: usize = outs.iter().map(|o| o.token_ids.len()).sum();
+        let hit = after.prefix_hit_tokens - before.prefix_hit_tokens;
+        let queried = after.prefix_queried_tokens - before.prefix_queried_tokens;
+        let ms = |v: &mut Vec<f64>, q: f64| percentile(v, q) * 1e3;
+        report.row(vec![
+            json!(setup.model),
+            json!(caching),
+            json!(w.num_prompts),
+            json!(w.prefix_len),
+            json!(w.suffix_len),
+            json!(w.output_len),
+            json!(wall),
+            json!(output_tokens as f64 / wall),
+            json!(hit),
+            json!(queried),
+            json!(hit as f64 / queried.max(1) as f64),
+            json!(after.prefill_tokens - before.prefill_tokens),
+            json!(ms(&mut ttft, 0.5)),
+            json!(ms(&mut ttft, 0.9)),
+            json!(ms(&mut ttft, 0.99)),
         ]);
     }
     Ok(report)

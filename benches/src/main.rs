@@ -75,9 +75,14 @@ struct Cli {
     /// Engine suites: most tokens per step.
     #[arg(long, default_value_t = 8192)]
     max_num_batched_tokens: usize,
-    /// Serve suite: the server's base URL (e.g. http://127.0.0.1:8000).
+    /// Serve suite: the server's base URL (e.g. http://127.0.0.1:8000); without it, the engine
+    /// runs in this process (`--dummy` / `--model`) behind the server's engine thread.
     #[arg(long)]
     url: Option<String>,
+    /// Prefix suite: tokens of the prefix every request shares (its own `--input-len` tokens
+    /// follow).
+    #[arg(long, default_value_t = 512)]
+    prefix_len: usize,
     /// Serve suite: request rates per second (comma-separated; `inf` = all at once).
     #[arg(long, value_delimiter = ',', default_values_t = [f64::INFINITY])]
     request_rate: Vec<f64>,
@@ -115,8 +120,10 @@ enum Suite {
     Step,
     /// nano-vLLM's bench.py workload through the engine.
     Nano,
-    /// vLLM's `bench serve` against a running server (`--url`).
+    /// vLLM's `bench serve`: against a running server (`--url`) or in process.
     Serve,
+    /// Shared-prefix requests with prefix caching on and off (hit ratio, TTFT).
+    Prefix,
     /// vLLM's `bench throughput`: random requests all at t = 0, through the engine.
     Throughput,
     /// vLLM's `bench latency`: end-to-end time of one batch, through the engine.
@@ -217,8 +224,19 @@ fn main() -> Result<()> {
         }
         tables.push(decode_step::run("qwen2-0.5b", &c, ms, !cli.ours_only, &device, dtype).json());
     }
-    let engine_suites = [Suite::Nano, Suite::Throughput, Suite::Latency];
-    if engine_suites.iter().any(|s| cli.suite.contains(s)) {
+    let in_process_serve = cli.suite.contains(&Suite::Serve) && cli.url.is_none();
+    let engine_suites = [
+        Suite::Nano,
+        Suite::Throughput,
+        Suite::Latency,
+        Suite::Prefix,
+    ];
+    let mut serve_target = cli
+        .url
+        .as_deref()
+        .map(|u| serve_bench::Target::Url(u.trim_end_matches('/').to_string()));
+    let mut serve_vocab = 10_000;
+    if in_process_serve || engine_suites.iter().any(|s| cli.suite.contains(s)) {
         let dir = match &cli.model {
             Some(m) => Some(burn_nanovllm::hub::resolve_model(
                 m,
@@ -264,6 +282,37 @@ fn main() -> Result<()> {
         if cli.suite.contains(&Suite::Throughput) {
             tables.push(engine_bench::throughput(&setup, &workload, &device, dtype)?.json());
         }
+        if cli.suite.contains(&Suite::Prefix) {
+            let prefix = engine_bench::PrefixWorkload {
+                num_prompts: cli.num_prompts,
+                prefix_len: cli.prefix_len,
+                suffix_len: cli.input_len,
+                output_len: cli.output_len,
+                seed: cli.seed,
+            };
+            tables.push(engine_bench::prefix(&setup, &prefix, &device, dtype)?.json());
+        }
+        if in_process_serve {
+            // Built on the engine thread, which replays its CUDA graphs (CubeCL's streams are
+            // per thread), as the server does.
+            let (model, config) = (setup.model.to_string(), setup.config.clone());
+            let (dir, engine) = (setup.dir.map(|d| d.to_path_buf()), setup.engine.clone());
+            let engine_device = device.clone();
+            let make = move || {
+                let setup = engine_bench::EngineSetup {
+                    model: &model,
+                    config: &config,
+                    dir: dir.as_deref(),
+                    engine,
+                };
+                engine_bench::build_engine(&setup, &engine_device, dtype)
+                    .map_err(|e| burn_nanovllm::LlmError::Invalid(format!("{e:#}")))
+            };
+            let (metrics, _) = burn_nanovllm::server::Metrics::new();
+            let handle = burn_nanovllm::server::EngineHandle::spawn(make, usize::MAX, metrics)?;
+            serve_target = Some(serve_bench::Target::Engine(std::sync::Arc::new(handle)));
+            serve_vocab = serve_vocab.min(c.vocab_size as u32);
+        }
         if cli.suite.contains(&Suite::Latency) {
             // Repeated identical batches: no prefix cache, or every repeat would be a hit.
             setup.engine.enable_prefix_caching = false;
@@ -273,15 +322,12 @@ fn main() -> Result<()> {
             tables.push(report.json());
         }
     }
-    if cli.suite.contains(&Suite::Serve) {
-        let url = cli
-            .url
-            .as_deref()
-            .context("the serve suite needs --url of a running server")?;
+    if let Some(target) = serve_target.filter(|_| cli.suite.contains(&Suite::Serve)) {
         let workload = serve_bench::ServeWorkload {
-            url: url.trim_end_matches('/'),
+            target,
             rates: &cli.request_rate,
             num_prompts: cli.num_prompts,
+            vocab: serve_vocab,
             input_len: cli.input_len,
             output_len: cli.output_len,
             seed: cli.seed,

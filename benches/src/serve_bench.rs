@@ -1,24 +1,48 @@
-//! `benches serve --url URL`: vLLM's `bench serve` against a running OpenAI-compatible server.
-//! Random token-id prompts of `input_len`, `output_len` tokens each (`ignore_eos`), streamed
-//! from `/v1/completions`; arrivals all at once (`inf`) or Poisson at each request rate. Per
-//! request: TTFT (send → first token), TPOT ((end − first token) / (tokens − 1)), ITL (gaps
-//! between streamed chunks) and end-to-end latency; p50/p90/p99 of each, and throughput.
+//! `benches serve`: vLLM's `bench serve`, against a running OpenAI-compatible server (`--url`,
+//! streamed `/v1/completions`) or in process (the server's engine thread, `EngineHandle`, without
+//! HTTP). Random token-id prompts of `input_len`, `output_len` tokens each (`ignore_eos`,
+//! greedy); arrivals all at once (`inf`) or Poisson at each request rate. Per request: TTFT
+//! (send → first token), TPOT ((end − first token) / (tokens − 1)), ITL (gaps between streamed
+//! chunks) and end-to-end latency; p50/p90/p99 of each, and throughput.
 
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use anyhow::{Context, Result, bail};
+use anyhow::{Context, Result, anyhow, bail};
+use burn_nanovllm::SamplingParams;
+use burn_nanovllm::server::{EngineHandle, Event};
 use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
 use serde_json::{Value, json};
 
 use crate::report::{Report, percentile};
 
+/// Where the requests go.
+#[derive(Clone)]
+pub enum Target {
+    /// A running server's base URL.
+    Url(String),
+    /// An engine in this process, behind the server's engine thread.
+    Engine(Arc<EngineHandle>),
+}
+
+impl Target {
+    fn name(&self) -> &str {
+        match self {
+            Target::Url(url) => url,
+            Target::Engine(_) => "in-process",
+        }
+    }
+}
+
 /// The workload and where to send it.
 pub struct ServeWorkload<'a> {
-    pub url: &'a str,
+    pub target: Target,
     /// Requests per second; infinite sends every request at t = 0.
     pub rates: &'a [f64],
     pub num_prompts: usize,
+    /// Prompt ids are drawn below this (bench.py's 10,000, or a smaller vocabulary).
+    pub vocab: u32,
     pub input_len: usize,
     pub output_len: usize,
     pub seed: u64,
@@ -38,7 +62,7 @@ pub fn run(w: &ServeWorkload) -> Result<Report> {
     let mut report = Report::new(
         "serve",
         &[
-            "url",
+            "target",
             "request_rate",
             "num_prompts",
             "input_len",
@@ -65,12 +89,12 @@ pub fn run(w: &ServeWorkload) -> Result<Report> {
         let mut rng = StdRng::seed_from_u64(w.seed);
         let prompt = |rng: &mut StdRng| -> Vec<u32> {
             (0..w.input_len)
-                .map(|_| rng.random_range(0..10_000))
+                .map(|_| rng.random_range(0..w.vocab))
                 .collect()
         };
         // Warm-up: one request of the same shape (autotuning, first-use compilation).
         let warm = prompt(&mut rng);
-        one(&http, w.url, warm, w.output_len)
+        one(&http, &w.target, warm, w.output_len)
             .await
             .context("warm-up request")?;
         for &rate in w.rates {
@@ -83,11 +107,11 @@ pub fn run(w: &ServeWorkload) -> Result<Report> {
                     // Exponential gaps: a Poisson process of `rate` requests per second.
                     at += -(1.0 - rng.random::<f64>()).ln() / rate;
                 }
-                let (http, url, out) = (http.clone(), w.url.to_string(), w.output_len);
+                let (http, target, out) = (http.clone(), w.target.clone(), w.output_len);
                 let send_at = start + Duration::from_secs_f64(at);
                 tasks.push(tokio::spawn(async move {
                     tokio::time::sleep_until(send_at.into()).await;
-                    one(&http, &url, p, out).await
+                    one(&http, &target, p, out).await
                 }));
             }
             let mut timed = Vec::with_capacity(tasks.len());
@@ -106,7 +130,7 @@ pub fn run(w: &ServeWorkload) -> Result<Report> {
                 .collect();
             let itl: Vec<f64> = timed.iter().flat_map(|t| t.gaps.clone()).collect();
             report.row(vec![
-                json!(w.url),
+                json!(w.target.name()),
                 json!(if rate.is_finite() {
                     json!(rate)
                 } else {
@@ -137,8 +161,67 @@ pub fn run(w: &ServeWorkload) -> Result<Report> {
     Ok(report)
 }
 
-/// Sends one streaming completion of token-id `prompt` and times its chunks.
+/// Sends one streamed request of token-id `prompt` and times its chunks.
 async fn one(
+    http: &reqwest::Client,
+    target: &Target,
+    prompt: Vec<u32>,
+    max_tokens: usize,
+) -> Result<Timed> {
+    match target {
+        Target::Url(url) => one_http(http, url, prompt, max_tokens).await,
+        Target::Engine(engine) => one_in_process(engine, prompt, max_tokens).await,
+    }
+}
+
+/// One request through the engine thread: the same greedy `ignore_eos` request as over HTTP.
+async fn one_in_process(
+    engine: &EngineHandle,
+    prompt: Vec<u32>,
+    max_tokens: usize,
+) -> Result<Timed> {
+    let params = SamplingParams {
+        max_tokens,
+        ignore_eos: true,
+        temperature: 0.0,
+        ..SamplingParams::default()
+    };
+    let sent = Instant::now();
+    let (_, mut events) = engine
+        .submit(prompt, params)
+        .await
+        .map_err(|e| anyhow!("refused: {}", e.message))?;
+    let (mut first, mut last, mut gaps, mut tokens) = (None, sent, Vec::new(), 0usize);
+    while let Some(event) = events.recv().await {
+        let output = match event {
+            Event::Output(o) => o,
+            Event::Failed(message) => bail!("engine failed: {message}"),
+        };
+        let now = Instant::now();
+        if !output.new_token_ids.is_empty() {
+            if first.is_none() {
+                first = Some(now);
+            } else {
+                gaps.push((now - last).as_secs_f64());
+            }
+            last = now;
+        }
+        tokens = output.num_output_tokens;
+        if output.finish_reason.is_some() {
+            break;
+        }
+    }
+    let first = first.context("no token came back")?;
+    Ok(Timed {
+        ttft: (first - sent).as_secs_f64(),
+        e2e: (last - sent).as_secs_f64(),
+        gaps,
+        tokens,
+    })
+}
+
+/// One streamed `/v1/completions` request.
+async fn one_http(
     http: &reqwest::Client,
     url: &str,
     prompt: Vec<u32>,

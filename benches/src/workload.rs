@@ -171,6 +171,34 @@ pub fn random_requests(
         .collect()
 }
 
+/// A shared-prefix workload (vLLM's prefix-caching benchmark): one random prefix of
+/// `prefix_len` ids, then for each of `n` requests `suffix_len` random ids of its own;
+/// `output_len` tokens each. Returns the prefix and the requests.
+pub fn shared_prefix_requests(
+    n: usize,
+    prefix_len: usize,
+    suffix_len: usize,
+    output_len: usize,
+    vocab: u32,
+    seed: u64,
+) -> (Vec<u32>, Vec<WorkItem>) {
+    use rand::{Rng, SeedableRng};
+    let mut rng = rand::rngs::StdRng::seed_from_u64(seed);
+    let mut ids = |len: usize| -> Vec<u32> {
+        (0..len)
+            .map(|_| rng.random_range(0..vocab.min(10_000)))
+            .collect()
+    };
+    let prefix = ids(prefix_len);
+    let work = (0..n)
+        .map(|_| WorkItem {
+            prompt: [prefix.clone(), ids(suffix_len)].concat(),
+            max_tokens: output_len,
+        })
+        .collect();
+    (prefix, work)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -201,6 +229,21 @@ mod tests {
 
     /// vLLM's random dataset: lengths within ± the range ratio, ids below the vocabulary,
     /// the same requests for the same seed.
+    #[test]
+    fn shared_prefix_requests_share_exactly_the_prefix() {
+        let (prefix, work) = shared_prefix_requests(8, 100, 30, 7, 5000, 3);
+        assert_eq!(prefix.len(), 100);
+        assert_eq!(work.len(), 8);
+        for w in &work {
+            assert_eq!(w.prompt.len(), 130);
+            assert_eq!(&w.prompt[..100], &prefix[..]);
+            assert_eq!(w.max_tokens, 7);
+            assert!(w.prompt.iter().all(|&t| t < 5000));
+        }
+        // The suffixes differ (30 random ids out of 5000 never collide in practice).
+        assert_ne!(work[0].prompt[100..], work[1].prompt[100..]);
+    }
+
     #[test]
     fn random_requests_keep_their_ranges() {
         let a = random_requests(200, 100, 40, 0.5, 300, 7);

@@ -19,7 +19,7 @@ use axum::routing::{get, post};
 use engine::LLMEngine;
 use tokio::net::TcpListener;
 
-pub use engine_loop::EngineHandle;
+pub use engine_loop::{EngineHandle, Event};
 pub use metrics::Metrics;
 
 use crate::error::LlmError;
