@@ -56,6 +56,47 @@ struct Timed {
     tokens: usize,
 }
 
+/// Times one streamed request: when it was sent, and when each chunk with tokens arrived.
+struct StreamClock {
+    sent: Instant,
+    first: Option<Instant>,
+    last: Instant,
+    gaps: Vec<f64>,
+}
+
+impl StreamClock {
+    fn start() -> Self {
+        let sent = Instant::now();
+        Self {
+            sent,
+            first: None,
+            last: sent,
+            gaps: Vec::new(),
+        }
+    }
+
+    /// A chunk carrying new tokens arrived at `now`.
+    fn tokens_at(&mut self, now: Instant) {
+        if self.first.is_none() {
+            self.first = Some(now);
+        } else {
+            self.gaps.push((now - self.last).as_secs_f64());
+        }
+        self.last = now;
+    }
+
+    /// The request's timings, `tokens` generated in all.
+    fn finish(self, tokens: usize) -> Result<Timed> {
+        let first = self.first.context("no token came back")?;
+        Ok(Timed {
+            ttft: (first - self.sent).as_secs_f64(),
+            e2e: (self.last - self.sent).as_secs_f64(),
+            gaps: self.gaps,
+            tokens,
+        })
+    }
+}
+
 /// Runs the workload at every rate; one row per rate.
 pub fn run(w: &ServeWorkload) -> Result<Report> {
     let runtime = tokio::runtime::Runtime::new()?;
@@ -186,38 +227,26 @@ async fn one_in_process(
         temperature: 0.0,
         ..SamplingParams::default()
     };
-    let sent = Instant::now();
+    let mut clock = StreamClock::start();
     let (_, mut events) = engine
         .submit(prompt, params)
         .await
         .map_err(|e| anyhow!("refused: {}", e.message))?;
-    let (mut first, mut last, mut gaps, mut tokens) = (None, sent, Vec::new(), 0usize);
+    let mut tokens = 0;
     while let Some(event) = events.recv().await {
         let output = match event {
             Event::Output(o) => o,
             Event::Failed(message) => bail!("engine failed: {message}"),
         };
-        let now = Instant::now();
         if !output.new_token_ids.is_empty() {
-            if first.is_none() {
-                first = Some(now);
-            } else {
-                gaps.push((now - last).as_secs_f64());
-            }
-            last = now;
+            clock.tokens_at(Instant::now());
         }
         tokens = output.num_output_tokens;
         if output.finish_reason.is_some() {
             break;
         }
     }
-    let first = first.context("no token came back")?;
-    Ok(Timed {
-        ttft: (first - sent).as_secs_f64(),
-        e2e: (last - sent).as_secs_f64(),
-        gaps,
-        tokens,
-    })
+    clock.finish(tokens)
 }
 
 /// One streamed `/v1/completions` request.
@@ -231,7 +260,7 @@ async fn one_http(
         "prompt": prompt, "max_tokens": max_tokens, "ignore_eos": true, "temperature": 0,
         "stream": true, "stream_options": {"include_usage": true},
     });
-    let sent = Instant::now();
+    let mut clock = StreamClock::start();
     let mut resp = http
         .post(format!("{url}/v1/completions"))
         .json(&body)
@@ -245,7 +274,7 @@ async fn one_http(
             resp.text().await.unwrap_or_default()
         );
     }
-    let (mut first, mut last, mut gaps, mut tokens) = (None, sent, Vec::new(), 0usize);
+    let mut tokens = 0;
     let mut buffer = String::new();
     while let Some(bytes) = resp.chunk().await? {
         let now = Instant::now();
@@ -268,20 +297,9 @@ async fn one_http(
             // A chunk with a choice carries the step's new tokens (its text may be empty while
             // a multi-byte character is incomplete); the usage chunk has none.
             if v["choices"].as_array().is_some_and(|c| !c.is_empty()) {
-                if first.is_none() {
-                    first = Some(now);
-                } else {
-                    gaps.push((now - last).as_secs_f64());
-                }
-                last = now;
+                clock.tokens_at(now);
             }
         }
     }
-    let first = first.context("no token came back")?;
-    Ok(Timed {
-        ttft: (first - sent).as_secs_f64(),
-        e2e: (last - sent).as_secs_f64(),
-        gaps,
-        tokens,
-    })
+    clock.finish(tokens)
 }

@@ -91,14 +91,7 @@ pub(crate) fn usable(device: &cubecl::Device) -> Option<usize> {
         cubecl::Device::Cuda(d) => d.index,
         _ => return None,
     };
-    if Knobs::get().cublas_off || !library_present() {
-        return None;
-    }
-    let devices = DEVICES.lock().unwrap_or_else(|e| e.into_inner());
-    match devices.iter().find(|(i, _)| *i == index) {
-        Some((_, Err(_))) => None,
-        _ => Some(index),
-    }
+    cublas_unavailable_reason(index).is_none().then_some(index)
 }
 
 /// Why cuBLASLt does not serve CUDA device `index`, if it does not (`None`: it does, or has not
