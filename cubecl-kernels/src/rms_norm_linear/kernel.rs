@@ -144,9 +144,12 @@ pub fn rms_stats<F: Float>(
 /// `write_normed`, laid out for plane devices: no shared memory and no cube barrier.
 ///
 /// Grid: `ceil(M / CUBE_DIM_Y)` cubes; cube: `CUBE_DIM_Y` planes of `PLANE_DIM` units, one plane
-/// per row. Each plane strides over its row in vectors of `NV` elements, sums the squares with a
-/// plane sum, then revisits the same vectors (cache-resident) to write the normalised row.
-/// `x`, `residual`, `h_out`, `normed`: `[M, K]`; `gamma`: `[K]`.
+/// per row. A plane walks its row in chunks of `held · PLANE_DIM` vectors of `NV` elements; each
+/// unit issues the `held` loads of a chunk before using any (unrolled: the loads are in flight
+/// together), sums the squares, and a plane sum gives the row's `inv_rms`. With `resident` (the
+/// row is one chunk) the values stay in registers for the second pass; otherwise the second pass
+/// reads the row again (cache-resident). `x`, `residual`, `h_out`, `normed`: `[M, K]`;
+/// `gamma`: `[K]`.
 #[cube(launch_unchecked)]
 #[allow(clippy::too_many_arguments)]
 pub fn rms_norm_rows<F: Float, NV: Size>(
@@ -156,6 +159,8 @@ pub fn rms_norm_rows<F: Float, NV: Size>(
     h_out: &mut Tensor<Vector<F, NV>>,
     normed: &mut Tensor<Vector<F, NV>>,
     eps: f32,
+    #[comptime] held: usize,
+    #[comptime] resident: bool,
     #[comptime] has_residual: bool,
     #[define(F)] _dtype: ElemType,
 ) {
@@ -164,38 +169,67 @@ pub fn rms_norm_rows<F: Float, NV: Size>(
     if row < x.shape(0) {
         let k = x.shape(1);
         let k_vecs = k / nv;
+        let lane = UNIT_POS_X as usize;
+        let plane = PLANE_DIM as usize;
         let x_at = row * (x.stride(0) / nv);
         let r_at = row * (residual.stride(0) / nv);
         let h_at = row * (h_out.stride(0) / nv);
         let n_at = row * (normed.stride(0) / nv);
+        let mut vals = Array::<Vector<F, NV>>::new(held);
         let mut acc = 0.0f32;
-        let mut i = UNIT_POS_X as usize;
-        while i < k_vecs {
-            let mut v = x[x_at + i];
-            if comptime!(has_residual) {
-                v += residual[r_at + i];
-                h_out[h_at + i] = v;
-            }
-            let f = Vector::<f32, NV>::cast_from(v);
+        let mut base = 0usize;
+        while base < k_vecs {
             #[unroll]
-            for e in 0..nv {
-                acc += f.extract(e) * f.extract(e);
+            for j in 0..held {
+                let i = base + lane + j * plane;
+                let mut v = Vector::<F, NV>::new(F::new(0.0));
+                if i < k_vecs {
+                    v = x[x_at + i];
+                    if comptime!(has_residual) {
+                        v += residual[r_at + i];
+                        h_out[h_at + i] = v;
+                    }
+                }
+                vals[j] = v;
             }
-            i += PLANE_DIM as usize;
+            #[unroll]
+            for j in 0..held {
+                let f = Vector::<f32, NV>::cast_from(vals[j]);
+                #[unroll]
+                for e in 0..nv {
+                    acc += f.extract(e) * f.extract(e);
+                }
+            }
+            base += held * plane;
         }
-        let inv = f32::inverse_sqrt(plane_sum(acc) / f32::cast_from(k) + eps);
-        let mut i = UNIT_POS_X as usize;
-        while i < k_vecs {
-            let v = if comptime!(has_residual) {
-                h_out[h_at + i]
-            } else {
-                x[x_at + i]
-            };
-            let scaled = Vector::<f32, NV>::cast_from(v)
-                * Vector::<f32, NV>::new(inv)
-                * Vector::<f32, NV>::cast_from(gamma[i]);
-            normed[n_at + i] = Vector::<F, NV>::cast_from(scaled);
-            i += PLANE_DIM as usize;
+        let inv =
+            Vector::<f32, NV>::new(f32::inverse_sqrt(plane_sum(acc) / f32::cast_from(k) + eps));
+        let mut base = 0usize;
+        while base < k_vecs {
+            if comptime!(!resident) {
+                #[unroll]
+                for j in 0..held {
+                    let i = base + lane + j * plane;
+                    if i < k_vecs {
+                        vals[j] = if comptime!(has_residual) {
+                            h_out[h_at + i]
+                        } else {
+                            x[x_at + i]
+                        };
+                    }
+                }
+            }
+            #[unroll]
+            for j in 0..held {
+                let i = base + lane + j * plane;
+                if i < k_vecs {
+                    let scaled = Vector::<f32, NV>::cast_from(vals[j])
+                        * inv
+                        * Vector::<f32, NV>::cast_from(gamma[i]);
+                    normed[n_at + i] = Vector::<F, NV>::cast_from(scaled);
+                }
+            }
+            base += held * plane;
         }
     }
 }

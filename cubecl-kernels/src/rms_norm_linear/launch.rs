@@ -44,6 +44,13 @@ const SKINNY_CACHED_MAX_M: usize = 32;
 /// Largest `M` for the skinny kernel where cuBLASLt serves the device.
 const SKINNY_MAX_M_WITH_CUBLAS: usize = 4;
 
+/// Most 16-byte vectors per unit for which `rms_norm_rows` keeps a whole row in registers
+/// (`K` up to 16 · 32 · 8 = 4,096 in bf16/f16).
+const NORM_ROWS_MAX_HELD: usize = 16;
+
+/// Vectors per unit per chunk of `rms_norm_rows` for longer rows.
+const NORM_ROWS_CHUNK: usize = 8;
+
 /// Last-level cache assumed where the runtime does not report one (CUDA does not, today):
 /// 48 MiB, about an H100's L2 (an H200 has 60 MB).
 const CACHE_FALLBACK_BYTES: usize = 48 << 20;
@@ -158,6 +165,10 @@ pub(crate) fn fused_linear(
                 ],
             );
             let rows = (caps.cube_units / caps.plane_size).max(1);
+            // Vectors per unit per chunk: the whole row when it fits in registers.
+            let per_unit = (k / vec).div_ceil(caps.plane_size).max(1);
+            let resident = per_unit <= NORM_ROWS_MAX_HELD;
+            let held = if resident { per_unit } else { NORM_ROWS_CHUNK };
             // SAFETY: one plane per row, rows past `M` do nothing; `K` and the row pitches are
             // multiples of the vector, so every vector index is below the row's `K / vec`.
             unsafe {
@@ -172,6 +183,8 @@ pub(crate) fn fused_linear(
                     h.clone().into_tensor_arg(),
                     out_normed.clone().into_tensor_arg(),
                     eps,
+                    held,
+                    resident,
                     residual.is_some(),
                     dtype_to_storage_type(dtype),
                 );

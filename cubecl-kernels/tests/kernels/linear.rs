@@ -6,9 +6,10 @@ use cubecl_kernels::rms_norm_linear::reference;
 use super::common::*;
 
 /// Awkward shapes: M = 1, 3 (skinny kernel), 257 (tiled, ragged last tile); K not a multiple
-/// of any tile or vector; N = 1 and ragged. On CUDA, M ≥ 40 takes cuBLASLt (or, with
-/// `BURN_NANOVLLM_CUBLAS=0`, cubek's matmul, 64 × 1024 → 200 split along K).
-const SHAPES: [(usize, usize, usize); 8] = [
+/// of any tile or vector; N = 1 and ragged. On CUDA, M > 4 takes cuBLASLt (or, with
+/// `BURN_NANOVLLM_CUBLAS=0`, cubek's matmul, 64 × 1024 → 200 split along K); K = 4200 is too
+/// long a row for the plane norm to hold in registers (it reads the row in ragged chunks).
+const SHAPES: [(usize, usize, usize); 9] = [
     (1, 96, 1),
     (1, 100, 67),
     (3, 37, 130),
@@ -17,6 +18,7 @@ const SHAPES: [(usize, usize, usize); 8] = [
     (40, 24, 33),
     (64, 1024, 200),
     (300, 128, 96),
+    (9, 4200, 24),
 ];
 
 struct Case {
