@@ -6,8 +6,8 @@
 pub(crate) mod decode;
 mod kv_cache;
 mod metadata;
+mod mma_tile;
 pub(crate) mod prefill;
-mod prefill_mma;
 pub mod reference;
 pub(crate) mod store_kv;
 

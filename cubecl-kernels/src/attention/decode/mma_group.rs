@@ -8,16 +8,17 @@
 //! each chunk's K and V rows in its own double-buffered shared region (`[16][D + 8]`, 16-byte
 //! vectors, one vector of padding per row against bank conflicts; the next chunk's global loads
 //! are in flight in registers while the current one is computed on, and only plane barriers are
-//! needed), computes `S = Q·Kᵀ` (two 16×8 tiles; K fragments by `ldmatrix`), the online softmax
-//! on the accumulators (rows `g`, `g + 8` of lane `l`, `g = l / 4`, reduced over the 4 lanes of a
-//! row by shuffles) and `O += P·V` (P re-packed from the S accumulators, V fragments by
-//! `ldmatrix.trans`). The planes' states merge through shared memory at the end.
+//! needed) and attends to it as [`super::super::mma_tile`] describes (S, P and O in registers).
+//! The planes' states merge through shared memory at the end.
 //!
 //! Memory layout: see [`super`]. CUDA only (NVIDIA's fragment layouts), bf16/f16.
 
 use cubecl::cmma::{MatrixIdent, MmaDefinition};
 use cubecl::prelude::*;
 
+use super::super::mma_tile::{
+    KvStage, attend_stage, fetch_kv, finish_row_sums, load_q_fragments, put_kv, start_rows,
+};
 use super::write_merged;
 
 /// Comptime part of the launch.
@@ -44,45 +45,21 @@ impl MmaGroupConfig {
         16 * self.planes
     }
 
+    /// The K/V chunk one plane fills.
+    pub fn stage(&self) -> KvStage {
+        KvStage {
+            keys: 16,
+            units: 32,
+            head_dim: self.head_dim,
+            kv_heads: self.kv_heads,
+        }
+    }
+
     /// Shared memory of one cube in bytes: two K and two V stages of 16 padded rows per plane
     /// (elements of `elem_bytes`), then the f32 merge buffers.
     pub fn shared_bytes(&self, elem_bytes: usize) -> usize {
         let stages = 4 * self.planes * 16 * (self.head_dim + 8) * elem_bytes;
         stages + 4 * self.planes * self.group * (self.head_dim + 2)
-    }
-}
-
-/// Loads this lane's share of 16 keys' K and V rows from `k0` (zeros from `end` on).
-#[cube]
-#[allow(clippy::too_many_arguments)]
-fn fetch_chunk<F: Float, NV: Size>(
-    k_cache: &Tensor<Vector<F, NV>>,
-    v_cache: &Tensor<Vector<F, NV>>,
-    block_tables: &Tensor<i32>,
-    table_row: usize,
-    block_size: usize,
-    kvh: usize,
-    k0: usize,
-    end: usize,
-    kr: &mut Array<Vector<F, NV>>,
-    vr: &mut Array<Vector<F, NV>>,
-    #[comptime] cfg: MmaGroupConfig,
-) {
-    let dv = comptime!(cfg.head_dim / 8);
-    #[unroll]
-    for i in 0..comptime!(cfg.head_dim / 16) {
-        let idx = i * 32 + UNIT_POS_PLANE as usize;
-        let key = k0 + idx / dv;
-        let mut kv = Vector::<F, NV>::new(F::new(0.0));
-        let mut vv = Vector::<F, NV>::new(F::new(0.0));
-        if key < end {
-            let block = block_tables[table_row + key / block_size] as usize;
-            let at = ((block * block_size + key % block_size) * cfg.kv_heads + kvh) * dv + idx % dv;
-            kv = k_cache[at];
-            vv = v_cache[at];
-        }
-        kr[i] = kv;
-        vr[i] = vv;
     }
 }
 
@@ -113,64 +90,46 @@ pub fn paged_decode_mma<F: Float, NV: Size>(
     let lane = UNIT_POS_PLANE as usize;
     let g = lane / 4;
     let t = lane % 4;
-    let lrow = lane % 8; // ldmatrix: the row this lane addresses
-    let lmat = lane / 8; // and of which matrix
     let group = cfg.group;
     let dtiles = comptime!(cfg.head_dim / 8);
-    let rs = comptime!(cfg.head_dim / 8 + 1); // stage row stride in vectors
-    let chunk = comptime!(16 * (cfg.head_dim / 8 + 1)); // one stage, in vectors
+    let st = comptime!(cfg.stage());
+    let chunk = comptime!(st.len()); // one stage, in vectors
     let ctx = context_lens[seq] as usize;
     let start = split * split_len;
     let end = min(ctx, start + split_len);
     let table_row = seq * block_tables.stride(0);
-    let neg_inf = f32::new(f32::NEG_INFINITY);
 
     // Per plane: two K and two V stages.
-    let stages = comptime!(2 * cfg.planes * 16 * (cfg.head_dim / 8 + 1));
+    let stages = comptime!(2 * cfg.planes * st.len());
     let mut k_s = Shared::<[Vector<F, NV>]>::new_aligned_slice(stages, 16usize);
     let mut v_s = Shared::<[Vector<F, NV>]>::new_aligned_slice(stages, 16usize);
-    let mut kr = Array::<Vector<F, NV>>::new(comptime!(cfg.head_dim / 16));
-    let mut vr = Array::<Vector<F, NV>>::new(comptime!(cfg.head_dim / 16));
+    let mut kr = Array::<Vector<F, NV>>::new(comptime!(st.per_unit()));
+    let mut vr = Array::<Vector<F, NV>>::new(comptime!(st.per_unit()));
 
     // Q as A fragments: rows are the group's heads (g and g + 8; zeros past the group).
     let valid_a = g < group;
     let valid_b = g + 8 < group;
-    let at_a = seq * q.stride(0) + (kvh * group + g) * q.stride(1);
-    let at_b = seq * q.stride(0) + (kvh * group + g + 8) * q.stride(1);
     let mut qa = Array::<Vector<F, NP>>::new(comptime!(4 * cfg.head_dim / 16));
-    #[unroll]
-    for s in 0..comptime!(cfg.head_dim / 16) {
-        #[unroll]
-        for e in 0..4usize {
-            let col = s * 16 + 2 * t + 8 * (e / 2);
-            let mut pair = Vector::<F, NP>::new(F::new(0.0));
-            if e % 2 == 0 {
-                if valid_a {
-                    pair.insert(0usize, q[at_a + col]);
-                    pair.insert(1usize, q[at_a + col + 1]);
-                }
-            } else if valid_b {
-                pair.insert(0usize, q[at_b + col]);
-                pair.insert(1usize, q[at_b + col + 1]);
-            }
-            qa[s * 4 + e] = pair;
-        }
-    }
+    load_q_fragments(
+        q,
+        seq * q.stride(0) + (kvh * group + g) * q.stride(1),
+        seq * q.stride(0) + (kvh * group + g + 8) * q.stride(1),
+        valid_a,
+        valid_b,
+        &mut qa,
+        cfg.head_dim,
+    );
+    let limit_a = select(valid_a, end, 0usize);
+    let limit_b = select(valid_b, end, 0usize);
     let mut o = Array::<Vector<f32, NP>>::new(comptime!(2 * cfg.head_dim / 8));
-    #[unroll]
-    for i in 0..comptime!(2 * cfg.head_dim / 8) {
-        o[i] = Vector::new(0.0);
-    }
-    let mut s_acc = Array::<Vector<f32, NP>>::new(4usize);
-    let mut m_a = neg_inf;
-    let mut m_b = neg_inf;
-    let mut l_a = 0.0f32;
-    let mut l_b = 0.0f32;
+    let mut state = Array::<f32>::new(4usize);
+    start_rows(&mut o, &mut state, cfg.head_dim);
 
     let step = comptime!(16 * cfg.planes);
     let mut base = start + plane * 16;
     let mut buf = 0usize;
-    fetch_chunk(
+    let own = plane * 2 * chunk;
+    fetch_kv(
         k_cache,
         v_cache,
         block_tables,
@@ -179,24 +138,18 @@ pub fn paged_decode_mma<F: Float, NV: Size>(
         kvh,
         base,
         end,
+        lane,
         &mut kr,
         &mut vr,
-        cfg,
+        st,
     );
-    let dv = comptime!(cfg.head_dim / 8);
-    let own = plane * 2 * chunk;
-    #[unroll]
-    for i in 0..comptime!(cfg.head_dim / 16) {
-        let idx = i * 32 + lane;
-        k_s[own + (idx / dv) * rs + idx % dv] = kr[i];
-        v_s[own + (idx / dv) * rs + idx % dv] = vr[i];
-    }
+    put_kv(&mut k_s, &mut v_s, own, lane, &kr, &vr, st);
     sync_plane();
     while base < end {
         let next = base + step;
         let has_next = next < end;
         if has_next {
-            fetch_chunk(
+            fetch_kv(
                 k_cache,
                 v_cache,
                 block_tables,
@@ -205,162 +158,37 @@ pub fn paged_decode_mma<F: Float, NV: Size>(
                 kvh,
                 next,
                 end,
+                lane,
                 &mut kr,
                 &mut vr,
-                cfg,
+                st,
             );
         }
-        let off = own + buf * chunk;
-
-        // S = Q·Kᵀ: two tiles of 8 keys; one ldmatrix.x4 gives two k-steps' B fragments.
-        #[unroll]
-        for j in 0..2usize {
-            let mut c = Array::<Vector<f32, NP>>::new(2usize);
-            c[0] = Vector::new(0.0);
-            c[1] = Vector::new(0.0);
-            #[unroll]
-            for s2 in 0..comptime!(cfg.head_dim / 32) {
-                let at = off + (j * 8 + lrow) * rs + 4 * s2 + lmat;
-                let frags = def.load_matrix::<Vector<F, NV>, NP>(
-                    &k_s[at..stages],
-                    MatrixIdent::B,
-                    4usize,
-                    false,
-                );
-                #[unroll]
-                for h2 in 0..2usize {
-                    let s = 2 * s2 + h2;
-                    let mut a = Array::<Vector<F, NP>>::new(4usize);
-                    #[unroll]
-                    for e in 0..4usize {
-                        a[e] = qa[s * 4 + e];
-                    }
-                    let mut b = Array::<Vector<F, NP>>::new(2usize);
-                    b[0] = frags[2 * h2];
-                    b[1] = frags[2 * h2 + 1];
-                    def.execute_inplace(&a, &b, &mut c);
-                }
-            }
-            if comptime!(!cfg.head_dim.is_multiple_of(32)) {
-                let s = comptime!(cfg.head_dim / 16 - 1);
-                let at = off + (j * 8 + lrow) * rs + 2 * s + lmat % 2;
-                let frags = def.load_matrix::<Vector<F, NV>, NP>(
-                    &k_s[at..stages],
-                    MatrixIdent::B,
-                    2usize,
-                    false,
-                );
-                let mut a = Array::<Vector<F, NP>>::new(4usize);
-                #[unroll]
-                for e in 0..4usize {
-                    a[e] = qa[s * 4 + e];
-                }
-                let mut b = Array::<Vector<F, NP>>::new(2usize);
-                b[0] = frags[0];
-                b[1] = frags[1];
-                def.execute_inplace(&a, &b, &mut c);
-            }
-            s_acc[2 * j] = c[0];
-            s_acc[2 * j + 1] = c[1];
-        }
-
-        // Online softmax over the chunk (keys past the split's end and padding rows masked).
-        let mut mx_a = neg_inf;
-        let mut mx_b = neg_inf;
-        #[unroll]
-        for j in 0..2usize {
-            let mut va = s_acc[2 * j];
-            let mut vb = s_acc[2 * j + 1];
-            #[unroll]
-            for e in 0..2usize {
-                let key = base + j * 8 + 2 * t + e;
-                let sa = select(key >= end || !valid_a, neg_inf, va.extract(e) * scale);
-                let sb = select(key >= end || !valid_b, neg_inf, vb.extract(e) * scale);
-                va.insert(e, sa);
-                vb.insert(e, sb);
-                mx_a = max(mx_a, sa);
-                mx_b = max(mx_b, sb);
-            }
-            s_acc[2 * j] = va;
-            s_acc[2 * j + 1] = vb;
-        }
-        mx_a = max(mx_a, plane_shuffle_xor(mx_a, 1u32));
-        mx_a = max(mx_a, plane_shuffle_xor(mx_a, 2u32));
-        mx_b = max(mx_b, plane_shuffle_xor(mx_b, 1u32));
-        mx_b = max(mx_b, plane_shuffle_xor(mx_b, 2u32));
-        let new_a = max(m_a, mx_a);
-        let new_b = max(m_b, mx_b);
-        let live_a = new_a != neg_inf;
-        let live_b = new_b != neg_inf;
-        let corr_a = select(m_a == neg_inf, 0.0, f32::exp(m_a - new_a));
-        let corr_b = select(m_b == neg_inf, 0.0, f32::exp(m_b - new_b));
-        m_a = new_a;
-        m_b = new_b;
-        let mut sum_a = 0.0f32;
-        let mut sum_b = 0.0f32;
-        #[unroll]
-        for j in 0..2usize {
-            let mut va = s_acc[2 * j];
-            let mut vb = s_acc[2 * j + 1];
-            #[unroll]
-            for e in 0..2usize {
-                let pa = select(live_a, f32::exp(va.extract(e) - new_a), 0.0);
-                let pb = select(live_b, f32::exp(vb.extract(e) - new_b), 0.0);
-                sum_a += pa;
-                sum_b += pb;
-                va.insert(e, pa);
-                vb.insert(e, pb);
-            }
-            s_acc[2 * j] = va;
-            s_acc[2 * j + 1] = vb;
-        }
-        l_a = l_a * corr_a + sum_a;
-        l_b = l_b * corr_b + sum_b;
-        #[unroll]
-        for j in 0..dtiles {
-            o[2 * j] *= Vector::new(corr_a);
-            o[2 * j + 1] *= Vector::new(corr_b);
-        }
-
-        // O += P·V over the chunk's 16 keys.
-        let mut a = Array::<Vector<F, NP>>::new(4usize);
-        #[unroll]
-        for e in 0..4usize {
-            a[e] = Vector::<F, NP>::cast_from(s_acc[e]);
-        }
-        let vkey = (lmat % 2) * 8 + lrow;
-        #[unroll]
-        for j2 in 0..comptime!(cfg.head_dim / 16) {
-            let at = off + vkey * rs + 2 * j2 + lmat / 2;
-            let frags = def.load_matrix::<Vector<F, NV>, NP>(
-                &v_s[at..stages],
-                MatrixIdent::B,
-                4usize,
-                true,
-            );
-            #[unroll]
-            for h2 in 0..2usize {
-                let j = 2 * j2 + h2;
-                let mut b = Array::<Vector<F, NP>>::new(2usize);
-                b[0] = frags[2 * h2];
-                b[1] = frags[2 * h2 + 1];
-                let mut c = Array::<Vector<f32, NP>>::new(2usize);
-                c[0] = o[2 * j];
-                c[1] = o[2 * j + 1];
-                def.execute_inplace(&a, &b, &mut c);
-                o[2 * j] = c[0];
-                o[2 * j + 1] = c[1];
-            }
-        }
-
+        attend_stage(
+            &k_s,
+            &v_s,
+            own + buf * chunk,
+            &qa,
+            &mut o,
+            &mut state,
+            base,
+            limit_a,
+            limit_b,
+            scale,
+            16usize,
+            cfg.head_dim,
+            stages,
+        );
         if has_next {
-            let dst = own + (1 - buf) * chunk;
-            #[unroll]
-            for i in 0..comptime!(cfg.head_dim / 16) {
-                let idx = i * 32 + lane;
-                k_s[dst + (idx / dv) * rs + idx % dv] = kr[i];
-                v_s[dst + (idx / dv) * rs + idx % dv] = vr[i];
-            }
+            put_kv(
+                &mut k_s,
+                &mut v_s,
+                own + (1 - buf) * chunk,
+                lane,
+                &kr,
+                &vr,
+                st,
+            );
         }
         sync_plane();
         buf = 1 - buf;
@@ -368,10 +196,7 @@ pub fn paged_decode_mma<F: Float, NV: Size>(
     }
 
     // Merge the planes: [planes][group][D] accumulators and [planes][group] (m, l).
-    l_a += plane_shuffle_xor(l_a, 1u32);
-    l_a += plane_shuffle_xor(l_a, 2u32);
-    l_b += plane_shuffle_xor(l_b, 1u32);
-    l_b += plane_shuffle_xor(l_b, 2u32);
+    finish_row_sums(&mut state);
     let mut acc_s = Shared::<[f32]>::new_slice(comptime!(cfg.planes * cfg.group * cfg.head_dim));
     let mut m_s = Shared::<[f32]>::new_slice(comptime!(cfg.planes * cfg.group));
     let mut l_s = Shared::<[f32]>::new_slice(comptime!(cfg.planes * cfg.group));
@@ -391,12 +216,12 @@ pub fn paged_decode_mma<F: Float, NV: Size>(
     }
     if t == 0 {
         if valid_a {
-            m_s[plane * group + g] = m_a;
-            l_s[plane * group + g] = l_a;
+            m_s[plane * group + g] = state[0];
+            l_s[plane * group + g] = state[2];
         }
         if valid_b {
-            m_s[plane * group + g + 8] = m_b;
-            l_s[plane * group + g + 8] = l_b;
+            m_s[plane * group + g + 8] = state[1];
+            l_s[plane * group + g + 8] = state[3];
         }
     }
     sync_cube();

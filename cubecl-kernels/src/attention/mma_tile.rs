@@ -1,0 +1,350 @@
+//! What the two manual-MMA attention kernels share ([`super::prefill`]'s `mma` and
+//! [`super::decode`]'s `mma_group`): a 16-row query tile against stages of keys on tensor cores
+//! with `mma.sync.m16n8k16` (bf16/f16 inputs, f32 accumulators), scores, probabilities and
+//! output accumulators in registers (the flash-attention-2 schedule).
+//!
+//! Fragment layout (PTX): lane `l` has `g = l / 4` and `t = l % 4`; of every 16×8 accumulator
+//! tile it holds rows `g` ("row a") and `g + 8` ("row b") at columns `2t, 2t + 1`.
+//! - Q: loaded once from global memory into A fragments (`D / 16` k-steps of 4 pairs each).
+//! - A stage of `keys` K and V rows sits in shared memory as rows of `D / 8 + 1` 16-byte vectors
+//!   (one vector of padding, so that the 8 rows an `ldmatrix` phase reads fall in distinct
+//!   banks); units fetch their share of the next stage into registers while the current one is
+//!   computed on, then store it ([`fetch_kv`], [`put_kv`]).
+//! - `S = Q·Kᵀ`: `keys / 8` accumulator tiles; B fragments of K by `ldmatrix.x4` (two k-steps
+//!   per instruction).
+//! - Online softmax on the accumulators: row maxima and sums meet over the 4 lanes of a row
+//!   through two xor shuffles; the output accumulators are rescaled in registers.
+//! - `O += P·V`: the probabilities are re-packed from the S accumulators into A fragments
+//!   directly (the accumulator layout of two 16×8 tiles is the A layout of one 16×16 tile);
+//!   B fragments of V by `ldmatrix.x4.trans` (two 8-column tiles per instruction).
+//!
+//! The softmax state of a lane's two rows is an `Array<f32>` of 4: `[m_a, m_b, l_a, l_b]`
+//! (running maxima, and this lane's share of the running sums until [`finish_row_sums`]).
+
+use cubecl::cmma::{MatrixIdent, MmaDefinition};
+use cubecl::prelude::*;
+
+/// Shape of a K/V stage and of the units that fill it.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub struct KvStage {
+    /// Keys per stage, a multiple of 16.
+    pub keys: usize,
+    /// Units sharing the loads of a stage.
+    pub units: usize,
+    pub head_dim: usize,
+    pub kv_heads: usize,
+}
+
+impl KvStage {
+    /// Row stride of a stage in 16-byte vectors (one of padding).
+    pub fn row_stride(&self) -> usize {
+        self.head_dim / 8 + 1
+    }
+
+    /// One stage, in 16-byte vectors.
+    pub fn len(&self) -> usize {
+        self.keys * self.row_stride()
+    }
+
+    /// Vectors each unit loads per stage (and register slots for them).
+    pub fn per_unit(&self) -> usize {
+        (self.keys * self.head_dim / 8).div_ceil(self.units)
+    }
+}
+
+/// Loads unit `unit`'s share of the K and V rows of keys `k0 .. k0 + keys` of kv head `kvh`
+/// into registers: vector `unit + units·i` of the stage goes to slot `i` of `kr`/`vr`; zeros for
+/// keys from `end` on.
+#[cube]
+#[allow(clippy::too_many_arguments)]
+pub fn fetch_kv<F: Float, NV: Size>(
+    k_cache: &Tensor<Vector<F, NV>>,
+    v_cache: &Tensor<Vector<F, NV>>,
+    block_tables: &Tensor<i32>,
+    table_row: usize,
+    block_size: usize,
+    kvh: usize,
+    k0: usize,
+    end: usize,
+    unit: usize,
+    kr: &mut Array<Vector<F, NV>>,
+    vr: &mut Array<Vector<F, NV>>,
+    #[comptime] st: KvStage,
+) {
+    let dv = comptime!(st.head_dim / 8);
+    let total = comptime!(st.keys * st.head_dim / 8);
+    #[unroll]
+    for i in 0..comptime!(st.per_unit()) {
+        let idx = i * comptime!(st.units) + unit;
+        let key = k0 + idx / dv;
+        let mut kv = Vector::<F, NV>::new(F::new(0.0));
+        let mut vv = Vector::<F, NV>::new(F::new(0.0));
+        if key < end && idx < total {
+            let block = block_tables[table_row + key / block_size] as usize;
+            let at = ((block * block_size + key % block_size) * st.kv_heads + kvh) * dv + idx % dv;
+            kv = k_cache[at];
+            vv = v_cache[at];
+        }
+        kr[i] = kv;
+        vr[i] = vv;
+    }
+}
+
+/// Stores what [`fetch_kv`] loaded into the stage at `offset` (in vectors) of `k_s` / `v_s`.
+#[cube]
+pub fn put_kv<F: Float, NV: Size>(
+    k_s: &mut Shared<[Vector<F, NV>]>,
+    v_s: &mut Shared<[Vector<F, NV>]>,
+    offset: usize,
+    unit: usize,
+    kr: &Array<Vector<F, NV>>,
+    vr: &Array<Vector<F, NV>>,
+    #[comptime] st: KvStage,
+) {
+    let dv = comptime!(st.head_dim / 8);
+    let total = comptime!(st.keys * st.head_dim / 8);
+    #[unroll]
+    for i in 0..comptime!(st.per_unit()) {
+        let idx = i * comptime!(st.units) + unit;
+        if idx < total {
+            let at = offset + (idx / dv) * (dv + 1) + idx % dv;
+            k_s[at] = kr[i];
+            v_s[at] = vr[i];
+        }
+    }
+}
+
+/// Loads this lane's A fragments of Q: rows a and b start at `at_a` / `at_b` in `q` (zeros for
+/// an invalid row); pair `e` of k-step `s` is at columns `16s + 2t + 8·(e / 2)` of row a
+/// (`e` even) or b (`e` odd). `qa` has `4·D / 16` slots.
+#[cube]
+#[allow(clippy::too_many_arguments)]
+pub fn load_q_fragments<F: Float, NP: Size>(
+    q: &Tensor<F>,
+    at_a: usize,
+    at_b: usize,
+    valid_a: bool,
+    valid_b: bool,
+    qa: &mut Array<Vector<F, NP>>,
+    #[comptime] head_dim: usize,
+) {
+    let t = UNIT_POS_PLANE as usize % 4;
+    #[unroll]
+    for s in 0..comptime!(head_dim / 16) {
+        #[unroll]
+        for e in 0..4usize {
+            let col = s * 16 + 2 * t + 8 * (e / 2);
+            let mut pair = Vector::<F, NP>::new(F::new(0.0));
+            if e % 2 == 0 {
+                if valid_a {
+                    pair.insert(0usize, q[at_a + col]);
+                    pair.insert(1usize, q[at_a + col + 1]);
+                }
+            } else if valid_b {
+                pair.insert(0usize, q[at_b + col]);
+                pair.insert(1usize, q[at_b + col + 1]);
+            }
+            qa[s * 4 + e] = pair;
+        }
+    }
+}
+
+/// Zeroes the output accumulators (`2·D / 8` slots: tile `j`'s row a at `2j`, row b at
+/// `2j + 1`) and starts the softmax state `[m_a, m_b, l_a, l_b]` at `[-∞, -∞, 0, 0]`.
+#[cube]
+pub fn start_rows<NP: Size>(
+    o: &mut Array<Vector<f32, NP>>,
+    state: &mut Array<f32>,
+    #[comptime] head_dim: usize,
+) {
+    #[unroll]
+    for i in 0..comptime!(2 * head_dim / 8) {
+        o[i] = Vector::new(0.0);
+    }
+    state[0] = f32::new(f32::NEG_INFINITY);
+    state[1] = f32::new(f32::NEG_INFINITY);
+    state[2] = 0.0;
+    state[3] = 0.0;
+}
+
+/// One stage: keys `k0 .. k0 + keys`, at vector `off` of `k_s` / `v_s` (slices of `len`
+/// vectors), against the Q tile `qa`. Scores are scaled by `scale`; keys at or past `limit_a`
+/// (row a) or `limit_b` (row b) are masked (0 masks a padding row). Updates the softmax state
+/// and the output accumulators `o`.
+#[cube]
+#[allow(clippy::too_many_arguments)]
+pub fn attend_stage<F: Float, NV: Size, NP: Size>(
+    k_s: &Shared<[Vector<F, NV>]>,
+    v_s: &Shared<[Vector<F, NV>]>,
+    off: usize,
+    qa: &Array<Vector<F, NP>>,
+    o: &mut Array<Vector<f32, NP>>,
+    state: &mut Array<f32>,
+    k0: usize,
+    limit_a: usize,
+    limit_b: usize,
+    scale: f32,
+    #[comptime] keys: usize,
+    #[comptime] head_dim: usize,
+    #[comptime] len: usize,
+) {
+    let def = MmaDefinition::<F, F, f32>::new(16usize, 8usize, 16usize);
+    let lane = UNIT_POS_PLANE as usize;
+    let t = lane % 4;
+    let lrow = lane % 8; // ldmatrix: the row this lane addresses
+    let lmat = lane / 8; // and of which matrix
+    let rs = comptime!(head_dim / 8 + 1);
+    let ntiles = comptime!(keys / 8);
+    let neg_inf = f32::new(f32::NEG_INFINITY);
+    let mut s_acc = Array::<Vector<f32, NP>>::new(comptime!(2 * keys / 8));
+
+    // S = Q·Kᵀ, 8 keys per accumulator tile. One `ldmatrix.x4` gives the B fragments of two
+    // k-steps: lane `l` addresses key row `l % 8` of the tile at column vector `2·s + l / 8`.
+    #[unroll]
+    for j in 0..ntiles {
+        let mut c = Array::<Vector<f32, NP>>::new(2usize);
+        c[0] = Vector::new(0.0);
+        c[1] = Vector::new(0.0);
+        #[unroll]
+        for s2 in 0..comptime!(head_dim / 32) {
+            let at = off + (j * 8 + lrow) * rs + 4 * s2 + lmat;
+            let frags =
+                def.load_matrix::<Vector<F, NV>, NP>(&k_s[at..len], MatrixIdent::B, 4usize, false);
+            #[unroll]
+            for h2 in 0..2usize {
+                let s = 2 * s2 + h2;
+                let mut a = Array::<Vector<F, NP>>::new(4usize);
+                #[unroll]
+                for e in 0..4usize {
+                    a[e] = qa[s * 4 + e];
+                }
+                let mut b = Array::<Vector<F, NP>>::new(2usize);
+                b[0] = frags[2 * h2];
+                b[1] = frags[2 * h2 + 1];
+                def.execute_inplace(&a, &b, &mut c);
+            }
+        }
+        if comptime!(!head_dim.is_multiple_of(32)) {
+            // The last k-step alone (D = 16 × odd): two matrices.
+            let s = comptime!(head_dim / 16 - 1);
+            let at = off + (j * 8 + lrow) * rs + 2 * s + lmat % 2;
+            let frags =
+                def.load_matrix::<Vector<F, NV>, NP>(&k_s[at..len], MatrixIdent::B, 2usize, false);
+            let mut a = Array::<Vector<F, NP>>::new(4usize);
+            #[unroll]
+            for e in 0..4usize {
+                a[e] = qa[s * 4 + e];
+            }
+            let mut b = Array::<Vector<F, NP>>::new(2usize);
+            b[0] = frags[0];
+            b[1] = frags[1];
+            def.execute_inplace(&a, &b, &mut c);
+        }
+        s_acc[2 * j] = c[0];
+        s_acc[2 * j + 1] = c[1];
+    }
+
+    // Online softmax: mask and scale, row maxima over the 4 lanes of a row.
+    let mut mx_a = neg_inf;
+    let mut mx_b = neg_inf;
+    #[unroll]
+    for j in 0..ntiles {
+        let mut va = s_acc[2 * j];
+        let mut vb = s_acc[2 * j + 1];
+        #[unroll]
+        for e in 0..2usize {
+            let key = k0 + j * 8 + 2 * t + e;
+            let sa = select(key >= limit_a, neg_inf, va.extract(e) * scale);
+            let sb = select(key >= limit_b, neg_inf, vb.extract(e) * scale);
+            va.insert(e, sa);
+            vb.insert(e, sb);
+            mx_a = max(mx_a, sa);
+            mx_b = max(mx_b, sb);
+        }
+        s_acc[2 * j] = va;
+        s_acc[2 * j + 1] = vb;
+    }
+    mx_a = max(mx_a, plane_shuffle_xor(mx_a, 1u32));
+    mx_a = max(mx_a, plane_shuffle_xor(mx_a, 2u32));
+    mx_b = max(mx_b, plane_shuffle_xor(mx_b, 1u32));
+    mx_b = max(mx_b, plane_shuffle_xor(mx_b, 2u32));
+    let (m_a, m_b) = (state[0], state[1]);
+    let new_a = max(m_a, mx_a);
+    let new_b = max(m_b, mx_b);
+    let live_a = new_a != neg_inf;
+    let live_b = new_b != neg_inf;
+    let corr_a = select(m_a == neg_inf, 0.0, f32::exp(m_a - new_a));
+    let corr_b = select(m_b == neg_inf, 0.0, f32::exp(m_b - new_b));
+    let mut sum_a = 0.0f32;
+    let mut sum_b = 0.0f32;
+    #[unroll]
+    for j in 0..ntiles {
+        let mut va = s_acc[2 * j];
+        let mut vb = s_acc[2 * j + 1];
+        #[unroll]
+        for e in 0..2usize {
+            let pa = select(live_a, f32::exp(va.extract(e) - new_a), 0.0);
+            let pb = select(live_b, f32::exp(vb.extract(e) - new_b), 0.0);
+            sum_a += pa;
+            sum_b += pb;
+            va.insert(e, pa);
+            vb.insert(e, pb);
+        }
+        s_acc[2 * j] = va;
+        s_acc[2 * j + 1] = vb;
+    }
+    state[0] = new_a;
+    state[1] = new_b;
+    // This lane's columns; summed over the row's lanes by `finish_row_sums`.
+    state[2] = state[2] * corr_a + sum_a;
+    state[3] = state[3] * corr_b + sum_b;
+    #[unroll]
+    for j in 0..comptime!(head_dim / 8) {
+        o[2 * j] *= Vector::new(corr_a);
+        o[2 * j + 1] *= Vector::new(corr_b);
+    }
+
+    // O += P·V, 16 keys per k-step; P's A fragment is two S tiles re-packed.
+    #[unroll]
+    for s in 0..comptime!(keys / 16) {
+        let mut a = Array::<Vector<F, NP>>::new(4usize);
+        #[unroll]
+        for e in 0..4usize {
+            a[e] = Vector::<F, NP>::cast_from(s_acc[4 * s + e]);
+        }
+        // One `ldmatrix.x4.trans` gives the B fragments of two 8-column tiles: lane `l`
+        // addresses key row `16·s + 8·(l / 8 % 2) + l % 8` at column vector `2·j2 + l / 16`.
+        let key = s * 16 + (lmat % 2) * 8 + lrow;
+        #[unroll]
+        for j2 in 0..comptime!(head_dim / 16) {
+            let at = off + key * rs + 2 * j2 + lmat / 2;
+            let frags =
+                def.load_matrix::<Vector<F, NV>, NP>(&v_s[at..len], MatrixIdent::B, 4usize, true);
+            #[unroll]
+            for h2 in 0..2usize {
+                let j = 2 * j2 + h2;
+                let mut b = Array::<Vector<F, NP>>::new(2usize);
+                b[0] = frags[2 * h2];
+                b[1] = frags[2 * h2 + 1];
+                let mut c = Array::<Vector<f32, NP>>::new(2usize);
+                c[0] = o[2 * j];
+                c[1] = o[2 * j + 1];
+                def.execute_inplace(&a, &b, &mut c);
+                o[2 * j] = c[0];
+                o[2 * j + 1] = c[1];
+            }
+        }
+    }
+}
+
+/// Sums each row's running sum (`state[2]`, `state[3]`) over the 4 lanes of the row.
+#[cube]
+pub fn finish_row_sums(state: &mut Array<f32>) {
+    #[unroll]
+    for r in 2..4usize {
+        let mut l = state[r];
+        l += plane_shuffle_xor(l, 1u32);
+        l += plane_shuffle_xor(l, 2u32);
+        state[r] = l;
+    }
+}

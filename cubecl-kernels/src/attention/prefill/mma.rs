@@ -1,0 +1,228 @@
+//! Prefill attention on tensor cores with registers managed by hand (`mma.sync.m16n8k16`, bf16 or
+//! f16 inputs, f32 accumulators): the flash-attention-2 schedule of [`super::super::mma_tile`],
+//! where scores, probabilities and output accumulators never leave registers.
+//!
+//! Launch geometry: one cube per (`16·R`-query tile, kv head, group of `H` of its query heads),
+//! with `H × R` planes of 32 lanes; plane `p` owns query rows `16·(p % R) .. + 16` of head
+//! `p / R`, so the `H` heads share every K/V stage (`H` = the whole GQA group up to 8). K/V stages
+//! of `block_k` keys are double-buffered in shared memory: while a stage is computed on, every
+//! unit's 16-byte global loads of the next one are in flight in registers; they are stored after
+//! the compute, one barrier per stage. Keys past a row's causal position are masked.
+//!
+//! CUDA only (the fragment layout is NVIDIA's): the launcher takes it where the device offers
+//! manual 16×8×16 MMA for the dtype and planes of 32.
+
+use cubecl::cmma::{MatrixIdent, MmaDefinition};
+use cubecl::prelude::*;
+
+use super::super::mma_tile::{
+    KvStage, attend_stage, fetch_kv, finish_row_sums, load_q_fragments, put_kv, start_rows,
+};
+
+/// Comptime part of the launch.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub struct MmaPrefillConfig {
+    pub heads: usize,
+    pub kv_heads: usize,
+    pub head_dim: usize,
+    /// Keys per stage, a multiple of 16.
+    pub block_k: usize,
+    /// Query heads of one kv head that a cube serves (they share its K/V stages).
+    pub heads_per_cube: usize,
+    /// 16-row blocks of queries per head; planes = `heads_per_cube × row_blocks`.
+    pub row_blocks: usize,
+}
+
+impl MmaPrefillConfig {
+    /// Queries per cube and head.
+    pub fn block_q(&self) -> usize {
+        16 * self.row_blocks
+    }
+
+    /// Planes per cube.
+    pub fn planes(&self) -> usize {
+        self.heads_per_cube * self.row_blocks
+    }
+
+    /// Units per cube.
+    pub fn units(&self) -> usize {
+        32 * self.planes()
+    }
+
+    /// Cubes per (query tile, kv head).
+    pub fn cubes_per_kv_head(&self) -> usize {
+        self.heads / self.kv_heads / self.heads_per_cube
+    }
+
+    /// The K/V stage the cube's units fill together.
+    pub fn stage(&self) -> KvStage {
+        KvStage {
+            keys: self.block_k,
+            units: self.units(),
+            head_dim: self.head_dim,
+            kv_heads: self.kv_heads,
+        }
+    }
+
+    /// Shared memory of one cube in bytes (two K and two V stages), for elements of
+    /// `elem_bytes`.
+    pub fn shared_bytes(&self, elem_bytes: usize) -> usize {
+        4 * elem_bytes * self.block_k * (self.head_dim + 8)
+    }
+}
+
+/// See the module documentation. `k_cache`, `v_cache` are read in vectors of `NV` elements.
+#[cube(launch_unchecked, address_type = "dynamic")]
+#[allow(clippy::too_many_arguments)]
+pub fn paged_prefill_mma<F: Float, NV: Size>(
+    q: &Tensor<F>,
+    k_cache: &Tensor<Vector<F, NV>>,
+    v_cache: &Tensor<Vector<F, NV>>,
+    block_tables: &Tensor<i32>,
+    context_lens: &Tensor<i32>,
+    cu_seqlens_q: &Tensor<i32>,
+    tiles: &Tensor<i32>,
+    out: &mut Tensor<F>,
+    scale: f32,
+    block_size: usize,
+    #[comptime] cfg: MmaPrefillConfig,
+    #[define(F)] _dtype: ElemType,
+) {
+    let def = MmaDefinition::<F, F, f32>::new(16usize, 8usize, 16usize);
+    let size!(NP) = def.vector_size(MatrixIdent::A);
+    let tile = CUBE_POS_X as usize;
+    let plane = PLANE_POS as usize;
+    let unit = UNIT_POS_X as usize;
+    let hgroups = comptime!(cfg.cubes_per_kv_head());
+    let kvh = CUBE_POS_Y as usize / hgroups;
+    let h = kvh * comptime!(cfg.heads / cfg.kv_heads)
+        + (CUBE_POS_Y as usize % hgroups) * cfg.heads_per_cube
+        + plane / cfg.row_blocks;
+    let g = UNIT_POS_PLANE as usize / 4;
+    let t = UNIT_POS_PLANE as usize % 4;
+    let st = comptime!(cfg.stage());
+    let seq = tiles[tile * 2] as usize;
+    let q0 = tiles[tile * 2 + 1] as usize;
+    let q_start = cu_seqlens_q[seq] as usize;
+    let q_len = cu_seqlens_q[seq + 1] as usize - q_start;
+    let ctx = context_lens[seq] as usize;
+    let prefix = ctx - q_len;
+    let rows = min(q_len - q0, comptime!(cfg.block_q()));
+    let last_key = prefix + q0 + rows;
+    let table_row = seq * block_tables.stride(0);
+
+    // Two K and two V stages: stage `i + 1` is fetched while stage `i` is computed on.
+    let stage_len = comptime!(st.len());
+    let mut k_s = Shared::<[Vector<F, NV>]>::new_aligned_slice(comptime!(2 * stage_len), 16usize);
+    let mut v_s = Shared::<[Vector<F, NV>]>::new_aligned_slice(comptime!(2 * stage_len), 16usize);
+    let mut kr = Array::<Vector<F, NV>>::new(comptime!(st.per_unit()));
+    let mut vr = Array::<Vector<F, NV>>::new(comptime!(st.per_unit()));
+
+    // This lane's rows of the tile; a row attends to keys up to its own position.
+    let row_a = (plane % cfg.row_blocks) * 16 + g;
+    let row_b = row_a + 8;
+    let valid_a = row_a < rows;
+    let valid_b = row_b < rows;
+    let limit_a = select(valid_a, prefix + q0 + row_a + 1, 0usize);
+    let limit_b = select(valid_b, prefix + q0 + row_b + 1, 0usize);
+
+    let mut qa = Array::<Vector<F, NP>>::new(comptime!(4 * cfg.head_dim / 16));
+    load_q_fragments(
+        q,
+        (q_start + q0 + row_a) * q.stride(0) + h * q.stride(1),
+        (q_start + q0 + row_b) * q.stride(0) + h * q.stride(1),
+        valid_a,
+        valid_b,
+        &mut qa,
+        cfg.head_dim,
+    );
+    let mut o = Array::<Vector<f32, NP>>::new(comptime!(2 * cfg.head_dim / 8));
+    let mut state = Array::<f32>::new(4usize);
+    start_rows(&mut o, &mut state, cfg.head_dim);
+
+    fetch_kv(
+        k_cache,
+        v_cache,
+        block_tables,
+        table_row,
+        block_size,
+        kvh,
+        0,
+        last_key,
+        unit,
+        &mut kr,
+        &mut vr,
+        st,
+    );
+    put_kv(&mut k_s, &mut v_s, 0, unit, &kr, &vr, st);
+    sync_cube();
+    let mut k0 = 0usize;
+    let mut buf = 0usize;
+    while k0 < last_key {
+        let next = k0 + cfg.block_k;
+        let has_next = next < last_key;
+        if has_next {
+            fetch_kv(
+                k_cache,
+                v_cache,
+                block_tables,
+                table_row,
+                block_size,
+                kvh,
+                next,
+                last_key,
+                unit,
+                &mut kr,
+                &mut vr,
+                st,
+            );
+        }
+        attend_stage(
+            &k_s,
+            &v_s,
+            buf * stage_len,
+            &qa,
+            &mut o,
+            &mut state,
+            k0,
+            limit_a,
+            limit_b,
+            scale,
+            cfg.block_k,
+            cfg.head_dim,
+            comptime!(2 * stage_len),
+        );
+        if has_next {
+            put_kv(
+                &mut k_s,
+                &mut v_s,
+                (1 - buf) * stage_len,
+                unit,
+                &kr,
+                &vr,
+                st,
+            );
+        }
+        sync_cube();
+        buf = 1 - buf;
+        k0 = next;
+    }
+
+    // Normalise and write.
+    finish_row_sums(&mut state);
+    let out_a = (q_start + q0 + row_a) * out.stride(0) + h * out.stride(1);
+    let out_b = (q_start + q0 + row_b) * out.stride(0) + h * out.stride(1);
+    #[unroll]
+    for j in 0..comptime!(cfg.head_dim / 8) {
+        #[unroll]
+        for e in 0..2usize {
+            let col = j * 8 + 2 * t + e;
+            if valid_a {
+                out[out_a + col] = F::cast_from(o[2 * j].extract(e) / state[2]);
+            }
+            if valid_b {
+                out[out_b + col] = F::cast_from(o[2 * j + 1].extract(e) / state[3]);
+            }
+        }
+    }
+}
