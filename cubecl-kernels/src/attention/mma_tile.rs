@@ -73,13 +73,15 @@ pub fn fetch_kv<F: Float, NV: Size>(
 ) {
     let dv = comptime!(st.head_dim / 8);
     let total = comptime!(st.keys * st.head_dim / 8);
+    // Every slot holds a vector of the stage: no bound to check.
+    let exact = comptime!(total.is_multiple_of(st.units));
     #[unroll]
     for i in 0..comptime!(st.per_unit()) {
         let idx = i * comptime!(st.units) + unit;
         let key = k0 + idx / dv;
         let mut kv = Vector::<F, NV>::new(F::new(0.0));
         let mut vv = Vector::<F, NV>::new(F::new(0.0));
-        if key < end && idx < total {
+        if key < end && (exact || idx < total) {
             let block = block_tables[table_row + key / block_size] as usize;
             let at = ((block * block_size + key % block_size) * st.kv_heads + kvh) * dv + idx % dv;
             kv = k_cache[at];
@@ -103,10 +105,12 @@ pub fn put_kv<F: Float, NV: Size>(
 ) {
     let dv = comptime!(st.head_dim / 8);
     let total = comptime!(st.keys * st.head_dim / 8);
+    // Every slot holds a vector of the stage: no bound to check.
+    let exact = comptime!(total.is_multiple_of(st.units));
     #[unroll]
     for i in 0..comptime!(st.per_unit()) {
         let idx = i * comptime!(st.units) + unit;
-        if idx < total {
+        if exact || idx < total {
             let at = offset + (idx / dv) * (dv + 1) + idx % dv;
             k_s[at] = kr[i];
             v_s[at] = vr[i];
