@@ -7,7 +7,7 @@
 //!   the last-level cache: `linear_skinny`, which streams each weight row once per 8 rows
 //!   (decode sizes; at M = 8, 16 and 32 cuBLASLt was 1.0–4.5× faster on every Qwen product on
 //!   the H100, at M = 1 the skinny kernel matches PyTorch);
-//! - larger `M` on CUDA devices where libcublasLt loads: `rms_stats` writes the normalised rows
+//! - larger `M` on CUDA devices where libcublasLt loads: `rms_norm_rows` writes the normalised rows
 //!   (`[M, K]`: 0.5 MB at M = 256 against 1–136 MB of weights), then cuBLASLt does the product
 //!   with the bias as its epilogue (`cublas.rs`). cuBLASLt's per-row scale vector applies to
 //!   rows of its column-major output, which are our output features, not our tokens, so the
