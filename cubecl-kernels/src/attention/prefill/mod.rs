@@ -157,16 +157,16 @@ pub(crate) fn paged_prefill(
     if num_tiles == 0 {
         return out;
     }
-    // The tensor-core kernels take the same arguments; the function, grid, vector width and
-    // config differ.
+    // The three kernels take the same arguments; the function, grid, config and (for the
+    // tensor-core ones, which read the caches in vectors) the vector width differ.
     macro_rules! launch {
-        ($kernel:path, $heads:expr, $units:expr, $vec:expr, $cfg:expr) => {
+        ($kernel:path, $heads:expr, $units:expr, $cfg:expr $(, vec = $vec:expr)?) => {
             $kernel(
                 &q.client,
                 CubeCount::Static(num_tiles as u32, $heads as u32, 1),
                 CubeDim::new_1d($units as u32),
                 super::address_type(&[&k_cache, &q]),
-                $vec,
+                $($vec,)?
                 q.clone().into_tensor_arg(),
                 k_cache.into_tensor_arg(),
                 v_cache.into_tensor_arg(),
@@ -190,8 +190,8 @@ pub(crate) fn paged_prefill(
                 paged_prefill_mma::launch_unchecked,
                 kv_heads * cfg.cubes_per_kv_head(),
                 cfg.units(),
-                kv_vec,
-                cfg
+                cfg,
+                vec = kv_vec
             );
         }
         return out;
@@ -204,8 +204,8 @@ pub(crate) fn paged_prefill(
                 paged_prefill_cmma::launch_unchecked,
                 heads,
                 cfg.units(),
-                vec,
-                cfg
+                cfg,
+                vec = vec
             );
         }
         return out;
@@ -220,24 +220,7 @@ pub(crate) fn paged_prefill(
     // SAFETY: queries are read below each tile's row count, keys below the tile's causal bound
     // (within the context, through checked block tables); outputs only for valid rows.
     unsafe {
-        paged_prefill_fma::launch_unchecked(
-            &q.client,
-            CubeCount::Static(num_tiles as u32, heads as u32, 1),
-            CubeDim::new_1d(block_q as u32),
-            super::address_type(&[&k_cache, &q]),
-            q.clone().into_tensor_arg(),
-            k_cache.into_tensor_arg(),
-            v_cache.into_tensor_arg(),
-            block_tables.into_tensor_arg(),
-            context_lens.into_tensor_arg(),
-            cu_seqlens_q.into_tensor_arg(),
-            tiles.into_tensor_arg(),
-            out.clone().into_tensor_arg(),
-            scale,
-            block_size,
-            cfg,
-            dtype_to_storage_type(dtype),
-        );
+        launch!(paged_prefill_fma::launch_unchecked, heads, block_q, cfg);
     }
     out
 }
