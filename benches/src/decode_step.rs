@@ -1,12 +1,14 @@
 //! The decode step without attention (24 layers of RMSNorm, qkv, o_proj, gate/up, SiLU·mul,
 //! down; then norm and LM head), the same skeleton as `scripts/baselines/torch_decode_step.py`,
-//! with our ops and with Burn's, eager and replayed as a CUDA graph; and ours with paged
+//! with our fused ops and with Burn's, eager and replayed as a CUDA graph; and with paged
 //! attention (RoPE + KV write, decode attention over a 1,024-token context per row) in each
-//! layer, replayed as a graph.
+//! layer, replayed as a graph, twice: with the fused norm + linear ops, and as the model runs it
+//! (norm gains folded into the weights, the row scale deferred into the KV write and the gated
+//! activation, residual adds in o_proj and down_proj; `model_qwen2::layers::Qwen2DecoderLayer`).
 
 use burn::tensor::{DType, Device, Distribution, Tensor, activation::silu};
 use cubecl_kernels::rms_norm_linear::reference;
-use cubecl_kernels::{AttentionMetadata, LayerKvCache, Rope};
+use cubecl_kernels::{AttentionMetadata, LayerKvCache, Rope, RowScale};
 use model_qwen2::Qwen2Config;
 use serde_json::json;
 
@@ -20,6 +22,9 @@ struct Layer {
     g2: Tensor<1>,
     wgu: Tensor<2>,
     wd: Tensor<2>,
+    /// `wqkv` and `wgu` with `g1`, `g2` folded in (the deferred-norm step).
+    wqkv_folded: Tensor<2>,
+    wgu_folded: Tensor<2>,
 }
 
 struct Weights {
@@ -37,13 +42,18 @@ fn weights(c: &Qwen2Config, device: &Device, dtype: DType) -> Weights {
     let g = || Tensor::<1>::random([h], Distribution::Uniform(0.5, 1.5), (device, dtype));
     let qkv = c.q_size() + 2 * c.kv_size();
     let layers = (0..c.num_hidden_layers)
-        .map(|_| Layer {
-            g1: g(),
-            wqkv: w([qkv, h]),
-            wo: w([h, h]),
-            g2: g(),
-            wgu: w([2 * i, h]),
-            wd: w([h, i]),
+        .map(|_| {
+            let (g1, wqkv, g2, wgu) = (g(), w([qkv, h]), g(), w([2 * i, h]));
+            Layer {
+                wqkv_folded: cubecl_kernels::fold_norm_gain(wqkv.clone(), g1.clone()),
+                wgu_folded: cubecl_kernels::fold_norm_gain(wgu.clone(), g2.clone()),
+                g1,
+                wqkv,
+                wo: w([h, h]),
+                g2,
+                wgu,
+                wd: w([h, i]),
+            }
         })
         .collect();
     Weights {
@@ -104,15 +114,23 @@ impl Attention {
         }
     }
 
-    /// `qkv [M, (heads + 2·kv_heads)·D]` → attention output `[M, heads·D]`.
-    fn attend(&mut self, qkv: Tensor<2>) -> Tensor<2> {
+    /// `qkv [M, (heads + 2·kv_heads)·D]` (unscaled with `row_scale`) → attention output
+    /// `[M, heads·D]`.
+    fn attend(&mut self, qkv: Tensor<2>, row_scale: Option<RowScale<'_>>) -> Tensor<2> {
         let m = qkv.dims()[0];
         let rope = Rope {
             cos: &self.cos,
             sin: &self.sin,
         };
-        let q =
-            cubecl_kernels::rope_store_kv(qkv, self.heads, None, rope, &self.meta, &mut self.cache);
+        let q = cubecl_kernels::rope_store_kv(
+            qkv,
+            self.heads,
+            row_scale,
+            None,
+            rope,
+            &self.meta,
+            &mut self.cache,
+        );
         let scale = 1.0 / (self.head_dim as f32).sqrt();
         cubecl_kernels::paged_attention(q, &self.cache, &self.meta, scale)
             .reshape([m, self.heads * self.head_dim])
@@ -147,7 +165,7 @@ fn step_ours(w: &Weights, x: &Tensor<2>, mut attention: Option<&mut Attention>) 
             ),
         };
         let attn = match attention.as_deref_mut() {
-            Some(a) => a.attend(qkv),
+            Some(a) => a.attend(qkv, None),
             None => qkv.slice_dim(1, 0..h),
         };
         let o = cubecl_kernels::linear(attn, l.wo.clone(), None);
@@ -166,6 +184,29 @@ fn step_ours(w: &Weights, x: &Tensor<2>, mut attention: Option<&mut Attention>) 
         1e-6,
     )
     .0
+}
+
+/// The model's layer structure with attention: products of the raw residual stream with the
+/// norm gains folded in, the norms' row scales applied by the KV write and the activation, the
+/// residual adds in o_proj's and down_proj's products.
+fn step_deferred(w: &Weights, x: &Tensor<2>, attention: &mut Attention) -> Tensor<2> {
+    fn scale(h: &Tensor<2>) -> RowScale<'_> {
+        RowScale {
+            input: h,
+            bias: None,
+            eps: 1e-6,
+        }
+    }
+    let mut h = x.clone();
+    for l in &w.layers {
+        let qkv = cubecl_kernels::linear(h.clone(), l.wqkv_folded.clone(), None);
+        let attn = attention.attend(qkv, Some(scale(&h)));
+        h = cubecl_kernels::linear_add(attn, l.wo.clone(), None, h);
+        let gu = cubecl_kernels::linear(h.clone(), l.wgu_folded.clone(), None);
+        let act = cubecl_kernels::silu_mul(gu, Some(scale(&h)));
+        h = cubecl_kernels::linear_add(act, l.wd.clone(), None, h);
+    }
+    cubecl_kernels::rms_norm_linear(h, w.gf.clone(), w.head.clone(), None, 1e-6)
 }
 
 /// Burn's own ops (the reference compositions), as in the PyTorch script.
@@ -198,7 +239,9 @@ pub fn run(
             "M",
             "ours_eager_ms",
             "ours_graph_ms",
+            "fused_graph_attn1k_ms",
             "ours_graph_attn1k_ms",
+            "attn_rel_err",
             "burn_eager_ms",
             "burn_graph_ms",
             "rel_err",
@@ -214,7 +257,13 @@ pub fn run(
         let eager_ours = median_us(device, 5, 10, || step_ours(&w, &x, None)) / 1e3;
         let graph_ours = graph_us(device, 1, 10, || step_ours(&w, &x, None)) / 1e3;
         let mut attention = Attention::new(c, m, device, dtype);
-        let graph_attn = graph_us(device, 1, 10, || step_ours(&w, &x, Some(&mut attention))) / 1e3;
+        let graph_fused = graph_us(device, 1, 10, || step_ours(&w, &x, Some(&mut attention))) / 1e3;
+        let graph_attn = graph_us(device, 1, 10, || step_deferred(&w, &x, &mut attention)) / 1e3;
+        // Both write the same keys and values into the same slots: the logits agree to rounding.
+        let attn_err = crate::linear::rel_err(
+            step_deferred(&w, &x, &mut attention),
+            step_ours(&w, &x, Some(&mut attention)),
+        );
         let (err, eager_burn, graph_burn) = if with_burn {
             (
                 crate::linear::rel_err(step_ours(&w, &x, None), step_burn(&w, &x)),
@@ -229,7 +278,9 @@ pub fn run(
             json!(m),
             json!(eager_ours),
             json!(graph_ours),
+            json!(graph_fused),
             json!(graph_attn),
+            json!(attn_err),
             json!(eager_burn),
             json!(graph_burn),
             json!(err),

@@ -9,7 +9,9 @@
 //! | [`add_rms_norm_linear`] | as above plus `residual [M, K]`; also returns `h = x + residual` |
 //! | [`linear`] | `x [M, K]`, `W [N, K]`, `b [N]` → `[M, N]` |
 //! | [`store_kv`] | `k, v [T, kv_heads, d]` into the paged cache at `slot_mapping` |
-//! | [`rope_store_kv`] | `qkv [T, (heads + 2·kv_heads)·d]`: q/k norm + RoPE, k/v into the cache → `q [T, heads, d]` |
+//! | [`rope_store_kv`] | `qkv [T, (heads + 2·kv_heads)·d]`: deferred row scale, q/k norm + RoPE, k/v into the cache → `q [T, heads, d]` |
+//! | [`silu_mul`] | `gate_up [T, 2·I]` → `silu(gate)·up [T, I]`, optionally completing a deferred RMSNorm row scale |
+//! | [`linear_add`] | `x [M, K]`, `W [N, K]`, `b [N]`, `residual [M, N]` → `x·Wᵀ + b + residual` |
 //! | [`paged_attention`] | `q [T, heads, d]` over each sequence's cached context → `[T, heads, d]` |
 //! | [`sample`] | `logits [B, V]` (f32) → next tokens `[B]` (greedy, or seeded min-p/top-k/top-p draws) |
 //! | [`write_ints`] | host `i32` values into an existing device buffer, in place (graph inputs) |
@@ -24,7 +26,9 @@ mod host_write;
 mod knobs;
 pub mod ops;
 pub mod rms_norm_linear;
+pub mod row_scale;
 pub mod sampling;
+pub mod silu_mul;
 
 pub use attention::{
     AttentionMetadata, DecodeTensors, LayerKvCache, MetadataTensors, PrefillTensors, QkNorm, Rope,
@@ -36,10 +40,12 @@ pub use host_write::write_ints;
 #[cfg(feature = "cuda")]
 pub use rms_norm_linear::cublas_unavailable_reason;
 pub use rms_norm_linear::{
-    FusedRmsNormLinear, LinearRoute, add_rms_norm_linear, check_args, linear, linear_route,
-    rms_norm, rms_norm_linear,
+    FusedRmsNormLinear, LinearRoute, add_rms_norm_linear, check_args, linear, linear_add,
+    linear_route, rms_norm, rms_norm_linear,
 };
+pub use row_scale::{RowScale, fold_norm_gain};
 pub use sampling::{SamplingRow, sample};
+pub use silu_mul::silu_mul;
 
 use burn::backend::DispatchDevice;
 use burn::tensor::Tensor;

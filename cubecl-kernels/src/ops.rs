@@ -15,6 +15,7 @@ use crate::attention::{QkvLayout, TileCache, decode, prefill, store_kv};
 use crate::host_write;
 use crate::rms_norm_linear::launch as linear_launch;
 use crate::sampling;
+use crate::silu_mul::{self, SiluMulFlags};
 
 /// Host-side facts the decode kernel is launched from (from [`crate::AttentionMetadata`]).
 #[derive(Clone, Debug)]
@@ -46,7 +47,8 @@ pub struct HostInts(pub Arc<Vec<i32>>);
 pub trait KernelOps: Backend {
     /// `h = x (+ residual)`, `y = rms_norm(h, gamma)·Wᵀ (+ b)`; returns `(y [M, N], h [M, K])`.
     /// `operands` ([`LinearOperands`] bits) says which of `residual`, `gamma` and `bias` are
-    /// real; the others are placeholders (any tensor) and are never read.
+    /// real; the others are placeholders (any tensor) and are never read. With
+    /// [`LinearOperands::ADD_OUT`], `residual [M, N]` is added to `y` instead.
     #[fusion(meta = fused_linear_meta)]
     fn fused_linear(
         x: FloatTensor<Self>,
@@ -58,14 +60,29 @@ pub trait KernelOps: Backend {
         operands: u32,
     ) -> (FloatTensor<Self>, FloatTensor<Self>);
 
+    /// `silu(gate)·up` of `gate_up [T, 2·I]` → `[T, I]`, its rows first scaled by `inv_rms(x)`
+    /// (`x [T, K]`) and biased (`bias [2·I]`) as `flags` says; absent operands are placeholders.
+    #[fusion(meta = silu_mul_meta)]
+    fn silu_mul(
+        gate_up: FloatTensor<Self>,
+        x: FloatTensor<Self>,
+        bias: FloatTensor<Self>,
+        eps: f32,
+        flags: SiluMulFlags,
+    ) -> FloatTensor<Self>;
+
     #[allow(clippy::too_many_arguments)]
     /// Norm + RoPE of q and k, and the KV write (see `attention::store_kv`): returns
-    /// `(q_out [T, heads·D], k_cache, v_cache)`, the caches written in place.
+    /// `(q_out [T, heads·D], k_cache, v_cache)`, the caches written in place. `x` and
+    /// `row_bias` carry the deferred row scale (`layout.row_scale`); `eps` = (q/k norm, row
+    /// scale).
     #[fusion(meta = rope_store_kv_meta)]
     fn rope_store_kv(
         q: FloatTensor<Self>,
         k: FloatTensor<Self>,
         v: FloatTensor<Self>,
+        x: FloatTensor<Self>,
+        row_bias: FloatTensor<Self>,
         q_norm: FloatTensor<Self>,
         k_norm: FloatTensor<Self>,
         cos: FloatTensor<Self>,
@@ -75,7 +92,7 @@ pub trait KernelOps: Backend {
         k_cache: FloatTensor<Self>,
         v_cache: FloatTensor<Self>,
         layout: QkvLayout,
-        eps: f32,
+        eps: [f32; 2],
     ) -> (FloatTensor<Self>, FloatTensor<Self>, FloatTensor<Self>);
 
     /// Decode attention of `q [B, heads, D]` (one token per sequence) over the caches →
@@ -125,6 +142,8 @@ fn rope_store_kv_meta(
     _q: &TensorSpec,
     _k: &TensorSpec,
     _v: &TensorSpec,
+    _x: &TensorSpec,
+    _row_bias: &TensorSpec,
     _q_norm: &TensorSpec,
     _k_norm: &TensorSpec,
     _cos: &TensorSpec,
@@ -134,13 +153,26 @@ fn rope_store_kv_meta(
     k_cache: &TensorSpec,
     v_cache: &TensorSpec,
     layout: &QkvLayout,
-    _eps: &f32,
+    _eps: &[f32; 2],
 ) -> (TensorSpec, TensorSpec, TensorSpec) {
     let q_out = TensorSpec::new(
         Shape::new([slots.shape[0], layout.heads * layout.head_dim]),
         k_cache.dtype,
     );
     (q_out, k_cache.clone(), v_cache.clone())
+}
+
+fn silu_mul_meta(
+    gate_up: &TensorSpec,
+    _x: &TensorSpec,
+    _bias: &TensorSpec,
+    _eps: &f32,
+    _flags: &SiluMulFlags,
+) -> TensorSpec {
+    TensorSpec::new(
+        Shape::new([gate_up.shape[0], gate_up.shape[1] / 2]),
+        gate_up.dtype,
+    )
 }
 
 fn paged_decode_meta(
@@ -184,6 +216,8 @@ impl LinearOperands {
     pub const NORM: u32 = 2;
     /// `bias` is added.
     pub const BIAS: u32 = 4;
+    /// `residual` (`[M, N]`) is added to the output (exclusive with `RESIDUAL`).
+    pub const ADD_OUT: u32 = 8;
 }
 
 fn fused_linear_meta(
@@ -210,20 +244,38 @@ impl KernelOps for CubeBackend {
         operands: u32,
     ) -> (FloatTensor<Self>, FloatTensor<Self>) {
         let has = |bit: u32| operands & bit != 0;
+        let (residual, add) = if has(LinearOperands::ADD_OUT) {
+            (None, Some(residual))
+        } else {
+            (has(LinearOperands::RESIDUAL).then_some(residual), None)
+        };
         linear_launch::fused_linear(
             x,
-            has(LinearOperands::RESIDUAL).then_some(residual),
+            residual,
             has(LinearOperands::NORM).then_some(gamma),
             weight,
             has(LinearOperands::BIAS).then_some(bias),
+            add,
             eps,
         )
+    }
+
+    fn silu_mul(
+        gate_up: FloatTensor<Self>,
+        x: FloatTensor<Self>,
+        bias: FloatTensor<Self>,
+        eps: f32,
+        flags: SiluMulFlags,
+    ) -> FloatTensor<Self> {
+        silu_mul::launch(gate_up, x, bias, eps, flags)
     }
 
     fn rope_store_kv(
         q: FloatTensor<Self>,
         k: FloatTensor<Self>,
         v: FloatTensor<Self>,
+        x: FloatTensor<Self>,
+        row_bias: FloatTensor<Self>,
         q_norm: FloatTensor<Self>,
         k_norm: FloatTensor<Self>,
         cos: FloatTensor<Self>,
@@ -233,10 +285,11 @@ impl KernelOps for CubeBackend {
         k_cache: FloatTensor<Self>,
         v_cache: FloatTensor<Self>,
         layout: QkvLayout,
-        eps: f32,
+        eps: [f32; 2],
     ) -> (FloatTensor<Self>, FloatTensor<Self>, FloatTensor<Self>) {
         store_kv::rope_store_kv(
-            q, k, v, q_norm, k_norm, cos, sin, positions, slots, k_cache, v_cache, layout, eps,
+            q, k, v, x, row_bias, q_norm, k_norm, cos, sin, positions, slots, k_cache, v_cache,
+            layout, eps,
         )
     }
 

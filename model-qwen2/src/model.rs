@@ -127,27 +127,30 @@ impl Qwen2Model {
             let down = ckpt.tensor(&format!("{p}.mlp.down_proj.weight"), [h, i], dtype, device)?;
             // Older exports carry RoPE buffers; they are recomputed, never read.
             let _ = ckpt.raw(&format!("{attn}.rotary_emb.inv_freq"), &[d / 2]);
-            layers.push(Qwen2DecoderLayer {
-                input_layernorm: norm(ckpt, &format!("{p}.input_layernorm.weight"), h)?,
-                self_attn: Qwen2Attention {
-                    qkv_proj: Linear::new(qkv_w, qkv_b),
-                    o_proj: Linear::new(o_proj, None),
-                    q_norm,
-                    k_norm,
-                    num_heads: c.num_attention_heads,
-                    num_kv_heads: c.num_key_value_heads,
-                    head_dim: d,
-                },
-                post_attention_layernorm: norm(
-                    ckpt,
-                    &format!("{p}.post_attention_layernorm.weight"),
-                    h,
-                )?,
-                mlp: Qwen2Mlp {
-                    gate_up_proj: Linear::new(gate_up, None),
-                    down_proj: Linear::new(down, None),
-                },
-            });
+            layers.push(
+                Qwen2DecoderLayer {
+                    input_layernorm: norm(ckpt, &format!("{p}.input_layernorm.weight"), h)?,
+                    self_attn: Qwen2Attention {
+                        qkv_proj: Linear::new(qkv_w, qkv_b),
+                        o_proj: Linear::new(o_proj, None),
+                        q_norm,
+                        k_norm,
+                        num_heads: c.num_attention_heads,
+                        num_kv_heads: c.num_key_value_heads,
+                        head_dim: d,
+                    },
+                    post_attention_layernorm: norm(
+                        ckpt,
+                        &format!("{p}.post_attention_layernorm.weight"),
+                        h,
+                    )?,
+                    mlp: Qwen2Mlp {
+                        gate_up_proj: Linear::new(gate_up, None),
+                        down_proj: Linear::new(down, None),
+                    },
+                }
+                .fold_norm_gains(),
+            );
         }
         let final_norm = norm(ckpt, "model.norm.weight", h)?;
         let lm_head = if c.tie_word_embeddings {
@@ -199,6 +202,7 @@ impl Qwen2Model {
                     down_proj: Linear::new(normal([h, i]), None),
                 },
             })
+            .map(Qwen2DecoderLayer::fold_norm_gains)
             .collect();
         let embed = normal([c.vocab_size, h]);
         let lm_head = if c.tie_word_embeddings {
@@ -275,10 +279,10 @@ impl Qwen2Model {
         cache: &mut KvCache,
         rows: LogitsRows,
     ) -> Tensor<2> {
-        let (x, residual) = self.forward_hidden(input_ids, meta, cache);
-        let (x, residual) = match rows {
-            LogitsRows::All => (x, residual),
-            LogitsRows::LastPerSequence if meta.is_decode() => (x, residual),
+        let h = self.forward_hidden(input_ids, meta, cache);
+        let h = match rows {
+            LogitsRows::All => h,
+            LogitsRows::LastPerSequence if meta.is_decode() => h,
             LogitsRows::LastPerSequence => {
                 let last: Vec<i32> = meta.cu_seqlens_q()[1..]
                     .iter()
@@ -287,32 +291,29 @@ impl Qwen2Model {
                 let n = last.len();
                 let idx = Tensor::<1, Int>::from_data(
                     TensorData::new(last, [n]),
-                    (&x.device(), DType::I32),
+                    (&h.device(), DType::I32),
                 );
-                (x.select(0, idx.clone()), residual.select(0, idx))
+                h.select(0, idx)
             }
-            LogitsRows::Rows(idx) => (x.select(0, (*idx).clone()), residual.select(0, *idx)),
+            LogitsRows::Rows(idx) => h.select(0, *idx),
         };
-        let (logits, _) = self.norm.forward_add_linear(x, residual, &self.lm_head);
-        logits.cast(FloatDType::F32)
+        self.norm
+            .forward_linear(h, &self.lm_head)
+            .cast(FloatDType::F32)
     }
 
-    /// Runs the decoder layers; returns `(x, residual)` whose sum is the final residual stream,
-    /// both `[num_tokens, H]`.
+    /// Runs the decoder layers; returns the final residual stream `[num_tokens, H]` (before
+    /// the final norm).
     pub fn forward_hidden(
         &self,
         input_ids: Tensor<1, Int>,
         meta: &AttentionMetadata,
         cache: &mut KvCache,
-    ) -> (Tensor<2>, Tensor<2>) {
-        let mut x = self.embed(input_ids);
-        let mut residual = None;
+    ) -> Tensor<2> {
+        let mut h = self.embed(input_ids);
         for (layer, layer_cache) in self.layers.iter().zip(cache.layers.iter_mut()) {
-            let (out, r) = layer.forward(x, residual, &self.rotary, meta, layer_cache);
-            x = out;
-            residual = Some(r);
+            h = layer.forward(h, &self.rotary, meta, layer_cache);
         }
-        let residual = residual.unwrap_or_else(|| x.zeros_like());
-        (x, residual)
+        h
     }
 }

@@ -24,6 +24,7 @@ pub use store_kv::QkvLayout;
 use crate::KernelError;
 use crate::device_caps::DeviceCaps;
 use crate::ops::{DecodePlan, KernelOps, PrefillPlan};
+use crate::row_scale::RowScale;
 
 /// Rotary tables: `cos`, `sin` `[max_positions, head_dim / 2]`, f32.
 #[derive(Clone, Copy, Debug)]
@@ -61,20 +62,27 @@ pub fn store_kv(cache: &mut LayerKvCache, k: Tensor<3>, v: Tensor<3>, meta: &Att
         offsets: [0; 3],
         rope: false,
         qk_norm: false,
+        row_scale: false,
+        row_bias: false,
     };
     let k = k.reshape([t, kv_heads * d]);
     let v = v.reshape([t, kv_heads * d]);
-    launch_store(cache, k.clone(), k, v, None, None, layout, meta);
+    launch_store(cache, k.clone(), k, v, None, None, None, layout, meta);
 }
 
 /// The KV write of a Qwen layer with its query/key preprocessing: splits the merged projection
 /// `qkv [T, (heads + 2·kv_heads)·D]`, applies `qk_norm` (Qwen3) and RoPE at `meta.positions` to
 /// q and k, stores k and v in `cache` at `meta.slot_mapping` and returns the queries
 /// `[T, heads, D]`.
+///
+/// With `row_scale`, `qkv` is the unscaled product of the layer input (the input norm's gain
+/// folded into the weight, no bias) and the projection is completed here first:
+/// `inv_rms(x)·qkv (+ b)` (see [`crate::row_scale`]).
 #[allow(clippy::too_many_arguments)]
 pub fn rope_store_kv(
     qkv: Tensor<2>,
     heads: usize,
+    row_scale: Option<RowScale<'_>>,
     qk_norm: Option<QkNorm<'_>>,
     rope: Rope<'_>,
     meta: &AttentionMetadata,
@@ -104,8 +112,17 @@ pub fn rope_store_kv(
         }
         Ok(())
     };
-    check().unwrap_or_else(|e| panic!("rope_store_kv: {e}"));
+    check()
+        .and_then(|()| match &row_scale {
+            Some(s) => s.check(t, width),
+            None => Ok(()),
+        })
+        .unwrap_or_else(|e| panic!("rope_store_kv: {e}"));
     if !crate::runs_kernels(&qkv) {
+        let qkv = match row_scale {
+            Some(s) => s.apply(qkv),
+            None => qkv,
+        };
         return reference::rope_store_kv(qkv, heads, qk_norm, rope, meta, cache);
     }
     let layout = QkvLayout {
@@ -115,12 +132,15 @@ pub fn rope_store_kv(
         offsets: [0, heads * d, (heads + kv_heads) * d],
         rope: true,
         qk_norm: qk_norm.is_some(),
+        row_scale: row_scale.is_some(),
+        row_bias: row_scale.is_some_and(|s| s.bias.is_some()),
     };
     let q = launch_store(
         cache,
         qkv.clone(),
         qkv.clone(),
         qkv,
+        row_scale,
         qk_norm,
         Some(rope),
         layout,
@@ -135,12 +155,22 @@ fn launch_store(
     q: Tensor<2>,
     k: Tensor<2>,
     v: Tensor<2>,
+    row_scale: Option<RowScale<'_>>,
     qk_norm: Option<QkNorm<'_>>,
     rope: Option<Rope<'_>>,
     layout: QkvLayout,
     meta: &AttentionMetadata,
 ) -> Tensor<2> {
     let placeholder = || k.clone().into_dispatch();
+    let (x, row_bias, row_eps) = match row_scale {
+        Some(s) => (
+            s.input.clone().into_dispatch(),
+            s.bias
+                .map_or_else(placeholder, |b| b.clone().into_dispatch()),
+            s.eps as f32,
+        ),
+        None => (placeholder(), placeholder(), 0.0),
+    };
     let (qn, kn, eps) = match qk_norm {
         Some(n) => (
             n.q.clone().into_dispatch(),
@@ -159,6 +189,8 @@ fn launch_store(
         q.into_dispatch(),
         k.clone().into_dispatch(),
         v.into_dispatch(),
+        x,
+        row_bias,
         qn,
         kn,
         cos,
@@ -168,7 +200,7 @@ fn launch_store(
         kc.into_dispatch(),
         vc.into_dispatch(),
         layout,
-        eps,
+        [eps, row_eps],
     );
     cache.k = Tensor::from_dispatch(kc);
     cache.v = Tensor::from_dispatch(vc);

@@ -10,6 +10,11 @@
 //! for a plain write). A unit owns the rotation pairs `(j, j + D/2)` at `j = UNIT_POS + i·CUBE_DIM`;
 //! the norm's sum of squares is a cube reduction. Query heads write the rotated query to
 //! `q_out [T, heads·D]`; key/value heads write their slot unless it is −1.
+//!
+//! With a deferred row scale (`crate::row_scale`) q, k and v are the unscaled product of the
+//! layer input `x [T, K]`: each cube first reduces `x`'s row to `inv_rms` (the row is shared by
+//! the token's cubes, cache-resident after the first), then scales every value it reads and adds
+//! the projection's bias `[width]` (merged-qkv columns) before anything else.
 
 use burn::backend::cubecl::dtype_to_storage_type;
 use burn::tensor::Shape;
@@ -17,6 +22,7 @@ use burn_cubecl::{ops::numeric::empty_device_dtype, tensor::CubeTensor};
 use cubecl::prelude::{CubeCount, CubeDim};
 
 use crate::device_caps::DeviceCaps;
+use crate::{unit_inner_stride, vector_size};
 
 /// Where q, k and v sit in their input matrices and what to apply to them.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
@@ -33,12 +39,17 @@ pub struct QkvLayout {
     pub rope: bool,
     /// Apply per-head RMSNorm (weights `[D]`) to q and k before RoPE.
     pub qk_norm: bool,
+    /// Scale each token's q, k and v by `inv_rms` of its row of `x` first.
+    pub row_scale: bool,
+    /// Add the projection's bias after the row scale.
+    pub row_bias: bool,
 }
 
 pub(crate) mod kernel {
     use cubecl::prelude::*;
 
     use crate::rms_norm_linear::kernel::cube_sum;
+    use crate::row_scale::row_inv_rms;
 
     /// Comptime part of the launch.
     #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
@@ -48,17 +59,42 @@ pub(crate) mod kernel {
         pub head_dim: usize,
         pub rope: bool,
         pub qk_norm: bool,
+        pub row_scale: bool,
+        pub row_bias: bool,
         pub cube_dim: usize,
         pub use_plane: bool,
+    }
+
+    /// A projection value `z` of merged-qkv column `col` as the undeferred product gives it:
+    /// with the row scale, `s·z (+ bias[col])` rounded once to `F`; else `z`.
+    #[cube]
+    fn projected<F: Float>(
+        z: F,
+        s: f32,
+        bias: &Tensor<F>,
+        col: usize,
+        #[comptime] cfg: StoreConfig,
+    ) -> f32 {
+        let mut v = f32::cast_from(z);
+        if comptime!(cfg.row_scale) {
+            v *= s;
+            if comptime!(cfg.row_bias) {
+                v += f32::cast_from(bias[col]);
+            }
+            v = f32::cast_from(F::cast_from(v));
+        }
+        v
     }
 
     /// See the module documentation.
     #[cube(launch_unchecked, address_type = "dynamic")]
     #[allow(clippy::too_many_arguments)]
-    pub fn rope_store_kv<F: Float>(
+    pub fn rope_store_kv<F: Float, XV: Size>(
         q: &Tensor<F>,
         k: &Tensor<F>,
         v: &Tensor<F>,
+        x: &Tensor<Vector<F, XV>>,
+        row_bias: &Tensor<F>,
         q_norm: &Tensor<F>,
         k_norm: &Tensor<F>,
         cos: &Tensor<f32>,
@@ -72,6 +108,7 @@ pub(crate) mod kernel {
         k_off: usize,
         v_off: usize,
         eps: f32,
+        row_eps: f32,
         #[comptime] cfg: StoreConfig,
         #[define(F)] _dtype: ElemType,
     ) {
@@ -91,21 +128,27 @@ pub(crate) mod kernel {
             (t * k.stride(0), k_off + kv_head * d)
         };
 
+        let mut scratch = Shared::<[f32]>::new_slice(cfg.cube_dim);
+        let mut row_s = 1.0f32;
+        if comptime!(cfg.row_scale) {
+            row_s = row_inv_rms(x, t, row_eps, &mut scratch, cfg.use_plane);
+        }
+
         // Sum of squares for the per-head norm.
         let mut scale = 1.0f32;
         if comptime!(cfg.qk_norm) {
             let mut acc = 0.0f32;
             let mut j = UNIT_POS_X as usize;
             while j < d {
-                let x = if is_query {
-                    f32::cast_from(q[src_row + src_col + j])
+                let z = if is_query {
+                    q[src_row + src_col + j]
                 } else {
-                    f32::cast_from(k[src_row + src_col + j])
+                    k[src_row + src_col + j]
                 };
+                let x = projected(z, row_s, row_bias, src_col + j, cfg);
                 acc += x * x;
                 j += CUBE_DIM_X as usize;
             }
-            let mut scratch = Shared::<[f32]>::new_slice(cfg.cube_dim);
             let total = cube_sum(acc, &mut scratch, cfg.use_plane);
             scale = f32::inverse_sqrt(total / f32::cast_from(d) + eps);
         }
@@ -114,17 +157,13 @@ pub(crate) mod kernel {
         let cache_base = (slot as usize * cfg.kv_heads + kv_head) * d;
         let mut j = UNIT_POS_X as usize;
         while j < half {
-            let (mut x1, mut x2) = if is_query {
-                (
-                    f32::cast_from(q[src_row + src_col + j]),
-                    f32::cast_from(q[src_row + src_col + j + half]),
-                )
+            let (z1, z2) = if is_query {
+                (q[src_row + src_col + j], q[src_row + src_col + j + half])
             } else {
-                (
-                    f32::cast_from(k[src_row + src_col + j]),
-                    f32::cast_from(k[src_row + src_col + j + half]),
-                )
+                (k[src_row + src_col + j], k[src_row + src_col + j + half])
             };
+            let mut x1 = projected(z1, row_s, row_bias, src_col + j, cfg);
+            let mut x2 = projected(z2, row_s, row_bias, src_col + j + half, cfg);
             if comptime!(cfg.qk_norm) {
                 // Rounded to F like the model's normalised activations.
                 let (w1, w2) = if is_query {
@@ -149,9 +188,17 @@ pub(crate) mod kernel {
             } else {
                 k_cache[cache_base + j] = F::cast_from(y1);
                 k_cache[cache_base + j + half] = F::cast_from(y2);
-                let vrow = t * v.stride(0) + v_off + kv_head * d;
-                v_cache[cache_base + j] = v[vrow + j];
-                v_cache[cache_base + j + half] = v[vrow + j + half];
+                let vcol = v_off + kv_head * d;
+                let vrow = t * v.stride(0) + vcol;
+                if comptime!(cfg.row_scale) {
+                    let v1 = projected(v[vrow + j], row_s, row_bias, vcol + j, cfg);
+                    let v2 = projected(v[vrow + j + half], row_s, row_bias, vcol + j + half, cfg);
+                    v_cache[cache_base + j] = F::cast_from(v1);
+                    v_cache[cache_base + j + half] = F::cast_from(v2);
+                } else {
+                    v_cache[cache_base + j] = v[vrow + j];
+                    v_cache[cache_base + j + half] = v[vrow + j + half];
+                }
             }
             j += CUBE_DIM_X as usize;
         }
@@ -163,12 +210,15 @@ pub(crate) mod kernel {
 ///
 /// `q`, `k`, `v`: `[T, *]` matrices holding the heads at `layout.offsets`; `q_norm`, `k_norm`:
 /// `[D]` (read only with `qk_norm`); `cos`, `sin`: `[max_pos, D/2]` f32 (read only with `rope`);
-/// `positions`, `slots`: `[T]` i32. The caches are written in place.
+/// `positions`, `slots`: `[T]` i32; `x [T, K]`, `row_bias [width]` (read only with
+/// `layout.row_scale`, `layout.row_bias`). The caches are written in place.
 #[allow(clippy::too_many_arguments)]
 pub(crate) fn rope_store_kv(
     q: CubeTensor,
     k: CubeTensor,
     v: CubeTensor,
+    x: CubeTensor,
+    row_bias: CubeTensor,
     q_norm: CubeTensor,
     k_norm: CubeTensor,
     cos: CubeTensor,
@@ -178,7 +228,7 @@ pub(crate) fn rope_store_kv(
     k_cache: CubeTensor,
     v_cache: CubeTensor,
     layout: QkvLayout,
-    eps: f32,
+    eps: [f32; 2],
 ) -> (CubeTensor, CubeTensor, CubeTensor) {
     let caps = DeviceCaps::of(&k.client);
     let t = slots.meta.shape()[0];
@@ -200,8 +250,16 @@ pub(crate) fn rope_store_kv(
         head_dim: layout.head_dim,
         rope: layout.rope,
         qk_norm: layout.qk_norm,
+        row_scale: layout.row_scale,
+        row_bias: layout.row_bias,
         cube_dim: caps.cube_units.min(layout.head_dim / 2).max(1),
         use_plane: caps.plane_ops && layout.head_dim / 2 >= caps.plane_size,
+    };
+    let x = unit_inner_stride(x);
+    let xv = if layout.row_scale {
+        vector_size(dtype, &[x.meta.shape()[1], x.meta.strides()[0]])
+    } else {
+        1
     };
     let q_out_arg = if layout.heads == 0 {
         k_cache.clone()
@@ -216,9 +274,12 @@ pub(crate) fn rope_store_kv(
             CubeCount::Static(t as u32, (layout.heads + layout.kv_heads) as u32, 1),
             CubeDim::new_1d(cfg.cube_dim as u32),
             super::address_type(&[&k_cache, &q]),
+            xv,
             q.into_tensor_arg(),
             k.into_tensor_arg(),
             v.into_tensor_arg(),
+            x.into_tensor_arg(),
+            row_bias.into_tensor_arg(),
             q_norm.into_tensor_arg(),
             k_norm.into_tensor_arg(),
             cos.into_tensor_arg(),
@@ -231,7 +292,8 @@ pub(crate) fn rope_store_kv(
             layout.offsets[0],
             layout.offsets[1],
             layout.offsets[2],
-            eps,
+            eps[0],
+            eps[1],
             cfg,
             dtype_to_storage_type(dtype),
         );

@@ -3,8 +3,9 @@
 //! Layout: cuBLAS is column-major, so the product is computed as `yᵀ [N, M] = W · xᵀ`:
 //! A = W (`K × N`, ld = W's row pitch, transposed), B = x (`K × M`, ld = x's row pitch),
 //! D = y (`N × M`, ld = y's row pitch). The bias is cuBLASLt's BIAS epilogue (one value per row
-//! of D: per output feature). Accumulation and scaling in f32 (`CUBLAS_COMPUTE_32F`: f32
-//! operands are not rounded to TF32).
+//! of D: per output feature); an added matrix (`linear_add`'s residual, laid out like y) is C
+//! with `beta = 1`. Accumulation and scaling in f32 (`CUBLAS_COMPUTE_32F`: f32 operands are not
+//! rounded to TF32).
 //!
 //! Ordering: the call is enqueued on CubeCL's own stream — the stream the patched
 //! `GpuResource` carries (vendor/README.md) — from CubeCL's device thread (`Client::exclusive`),
@@ -44,10 +45,10 @@ struct PlanKey {
     m: usize,
     n: usize,
     k: usize,
-    /// Row pitches of x, W and y, in elements.
-    ld: [usize; 3],
-    /// Address alignment of x, W and y, bytes (at most 256).
-    align: [usize; 3],
+    /// Row pitches of x, W, y and the added matrix (0: none), in elements.
+    ld: [usize; 4],
+    /// Address alignment of x, W, y and the added matrix, bytes (at most 256).
+    align: [usize; 4],
     dtype: DType,
     bias: bool,
 }
@@ -58,6 +59,8 @@ struct Plan {
     a: sys::cublasLtMatrixLayout_t,
     b: sys::cublasLtMatrixLayout_t,
     d: sys::cublasLtMatrixLayout_t,
+    /// The added matrix's layout (`d` when there is none).
+    c: Option<sys::cublasLtMatrixLayout_t>,
     algo: sys::cublasLtMatmulAlgo_t,
 }
 
@@ -124,8 +127,9 @@ enum Failure {
     Fatal(String),
 }
 
-/// Writes `y = x · wᵀ (+ bias)` on CUDA device `index`. `x [M, K]`, `w [N, K]`, `y [M, N]` of
-/// one dtype (f32, f16 or bf16) with unit inner strides, `bias [N]`. On failure nothing was
+/// Writes `y = x · wᵀ (+ bias) (+ add)` on CUDA device `index`. `x [M, K]`, `w [N, K]`,
+/// `y [M, N]`, `add [M, N]` of one dtype (f32, f16 or bf16) with unit inner strides, `bias [N]`.
+/// On failure nothing was
 /// enqueued and the error is returned, so that the caller can take another path; a failure of
 /// cuBLASLt itself also marks the device unusable (with the reason, printed once).
 pub(crate) fn gemm(
@@ -133,9 +137,10 @@ pub(crate) fn gemm(
     x: &CubeTensor,
     w: &CubeTensor,
     bias: Option<&CubeTensor>,
+    add: Option<&CubeTensor>,
     y: &CubeTensor,
 ) -> Result<(), String> {
-    match enqueue(index, x, w, bias, y) {
+    match enqueue(index, x, w, bias, add, y) {
         Ok(()) => Ok(()),
         Err(Failure::Transient(reason)) => Err(reason),
         Err(Failure::Fatal(reason)) => {
@@ -155,6 +160,7 @@ fn enqueue(
     x: &CubeTensor,
     w: &CubeTensor,
     bias: Option<&CubeTensor>,
+    add: Option<&CubeTensor>,
     y: &CubeTensor,
 ) -> Result<(), Failure> {
     let (m, k) = (x.meta.shape()[0], x.meta.shape()[1]);
@@ -175,20 +181,41 @@ fn enqueue(
     };
     let (xr, wr, yr) = (resource(x)?, resource(w)?, resource(y)?);
     let br = bias.map(resource).transpose()?;
+    let ar = add.map(resource).transpose()?;
     let stream = yr.resource().stream;
-    if xr.resource().stream != stream || wr.resource().stream != stream {
+    if xr.resource().stream != stream
+        || wr.resource().stream != stream
+        || ar.as_ref().is_some_and(|a| a.resource().stream != stream)
+    {
         return Err(Failure::Transient(
             "operands resolved to different CUDA streams".into(),
         ));
     }
-    let ptrs = [xr.resource().ptr, wr.resource().ptr, yr.resource().ptr];
+    let add_ptr = ar.as_ref().map_or(0, |a| a.resource().ptr);
+    let ptrs = [
+        xr.resource().ptr,
+        wr.resource().ptr,
+        yr.resource().ptr,
+        add_ptr,
+    ];
     let pitch = |t: &CubeTensor, width: usize| t.meta.strides()[0].max(width);
     let key = PlanKey {
         m,
         n,
         k,
-        ld: [pitch(x, k), pitch(w, k), pitch(y, n)],
-        align: ptrs.map(|p| 1usize << p.trailing_zeros().min(8)),
+        ld: [
+            pitch(x, k),
+            pitch(w, k),
+            pitch(y, n),
+            add.map_or(0, |a| pitch(a, n)),
+        ],
+        align: ptrs.map(|p| {
+            if p == 0 {
+                0
+            } else {
+                1usize << p.trailing_zeros().min(8)
+            }
+        }),
         dtype,
         bias: bias.is_some(),
     };
@@ -208,7 +235,7 @@ fn enqueue(
         .client
         .exclusive(move || call.enqueue())
         .map_err(|e| Failure::Transient(format!("exclusive: {e:?}")))?;
-    drop((xr, wr, yr, br));
+    drop((xr, wr, yr, br, ar));
     result.map_err(Failure::Fatal)
 }
 
@@ -241,8 +268,8 @@ struct Call {
     index: usize,
     key: PlanKey,
     data_type: sys::cudaDataType,
-    /// Addresses of x, W and y.
-    ptrs: [u64; 3],
+    /// Addresses of x, W, y and the added matrix (0: none).
+    ptrs: [u64; 4],
     /// Address of the bias (0: none).
     bias: u64,
     workspace: u64,
@@ -280,7 +307,11 @@ impl Call {
                 e.insert(Plan::new(handle, &key, data_type)?)
             }
         };
-        let (alpha, beta) = (1.0f32, 0.0f32);
+        let alpha = 1.0f32;
+        let (beta, c_ptr, c_layout) = match plan.c {
+            Some(c) => (1.0f32, ptrs[3], c),
+            None => (0.0f32, ptrs[2], plan.d),
+        };
         let PlanKey { m, n, k, .. } = key;
         // SAFETY: the descriptors are alive (owned by the plan); the caller holds the operands'
         // resources until this returns; the shapes and pitches are the ones the layouts
@@ -303,8 +334,8 @@ impl Call {
                 plan.a,
                 ptrs[0] as *const c_void,
                 plan.b,
-                ptrs[2] as *const c_void,
-                plan.d,
+                c_ptr as *const c_void,
+                c_layout,
                 ptrs[2] as *mut c_void,
                 plan.d,
                 &plan.algo,
@@ -336,7 +367,7 @@ impl Plan {
     ) -> Result<Self, String> {
         let err = |what: &str, e: &dyn std::fmt::Debug| format!("{what}: {e:?}");
         let (m, n, k) = (key.m as u64, key.n as u64, key.k as u64);
-        let [ldx, ldw, ldy] = key.ld.map(|l| l as i64);
+        let [ldx, ldw, ldy, ldc] = key.ld.map(|l| l as i64);
         let desc = lt::create_matmul_desc(
             sys::cublasComputeType_t::CUBLAS_COMPUTE_32F,
             sys::cudaDataType::CUDA_R_32F,
@@ -350,6 +381,11 @@ impl Plan {
             a: layout(k, n, ldw)?,
             b: layout(k, m, ldx)?,
             d: layout(n, m, ldy)?,
+            c: if ldc > 0 {
+                Some(layout(n, m, ldc)?)
+            } else {
+                None
+            },
             // Replaced by the heuristic's pick below.
             algo: unsafe { std::mem::zeroed() },
         };
@@ -369,7 +405,8 @@ impl Plan {
             }
             let pref = lt::create_matmul_pref().map_err(|e| err("preference", &e))?;
             use sys::cublasLtMatmulPreferenceAttributes_t as P;
-            let [align_x, align_w, align_y] = key.align.map(|a| a as u32);
+            let [align_x, align_w, align_y, align_c] = key.align.map(|a| a as u32);
+            let align_c = if plan.c.is_some() { align_c } else { align_y };
             let heuristic = set_pref(
                 pref,
                 P::CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES,
@@ -393,7 +430,7 @@ impl Plan {
                 set_pref(
                     pref,
                     P::CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_C_BYTES,
-                    &align_y,
+                    &align_c,
                 )
             })
             .and_then(|()| {
@@ -404,7 +441,8 @@ impl Plan {
                 )
             })
             .and_then(|()| {
-                lt::get_matmul_algo_heuristic(handle, desc, plan.a, plan.b, plan.d, plan.d, pref)
+                let c = plan.c.unwrap_or(plan.d);
+                lt::get_matmul_algo_heuristic(handle, desc, plan.a, plan.b, c, plan.d, pref)
                     .map_err(|e| {
                         err(
                             &format!("no cuBLASLt algorithm for {m}x{n}x{k} {:?}", key.dtype),
@@ -433,6 +471,9 @@ impl Drop for Plan {
             let _ = lt::destroy_matrix_layout(self.a);
             let _ = lt::destroy_matrix_layout(self.b);
             let _ = lt::destroy_matrix_layout(self.d);
+            if let Some(c) = self.c {
+                let _ = lt::destroy_matrix_layout(c);
+            }
             let _ = lt::destroy_matmul_desc(self.desc);
         }
     }

@@ -32,6 +32,8 @@ pub struct SkinnyConfig {
     pub has_norm: bool,
     /// Add a bias.
     pub has_bias: bool,
+    /// Add `add [M, N]` to the output.
+    pub has_add: bool,
     /// Reduce with plane (warp) sums; otherwise through shared memory only.
     pub use_plane: bool,
 }
@@ -51,6 +53,8 @@ pub struct TiledConfig {
     pub has_norm: bool,
     /// Add a bias.
     pub has_bias: bool,
+    /// Add `add [M, N]` to the output.
+    pub has_add: bool,
 }
 
 /// Sum of `value` over the whole cube, returned to every unit.
@@ -240,7 +244,7 @@ pub fn rms_norm_rows<F: Float, NV: Size>(
 /// Grid: `ceil(N / rows)` cubes; cube: `cube_dim` units. Units stride over `K` in vectors of `NV`
 /// elements; for each tile of `m_tile` input rows every unit keeps `m_tile × rows` f32 partial
 /// sums in registers, which plane sums (or shared memory) reduce; the units then share the
-/// `m_tile × rows` outputs, add the bias and write. The weight rows of a cube stay in L1 across the `M` tiles.
+/// `m_tile × rows` outputs, add the bias (and `add [M, N]`) and write. The weight rows of a cube stay in L1 across the `M` tiles.
 #[cube(launch_unchecked)]
 pub fn linear_skinny<F: Float, NV: Size>(
     x: &Tensor<Vector<F, NV>>,
@@ -248,6 +252,7 @@ pub fn linear_skinny<F: Float, NV: Size>(
     gamma: &Tensor<Vector<F, NV>>,
     w: &Tensor<Vector<F, NV>>,
     bias: &Tensor<F>,
+    add: &Tensor<F>,
     out: &mut Tensor<F>,
     #[comptime] cfg: SkinnyConfig,
     #[define(F)] _dtype: ElemType,
@@ -337,6 +342,9 @@ pub fn linear_skinny<F: Float, NV: Size>(
                 if comptime!(cfg.has_bias) {
                     s += f32::cast_from(bias[n]);
                 }
+                if comptime!(cfg.has_add) {
+                    s += f32::cast_from(add[m * add.stride(0) + n]);
+                }
                 let at = m * out.stride(0) + n;
                 out[at] = F::cast_from(s);
             }
@@ -363,6 +371,7 @@ pub fn linear_tiled<F: Float, NV: Size>(
     gamma: &Tensor<Vector<F, NV>>,
     w: &Tensor<Vector<F, NV>>,
     bias: &Tensor<F>,
+    add: &Tensor<F>,
     out: &mut Tensor<F>,
     #[comptime] cfg: TiledConfig,
     #[define(F)] _dtype: ElemType,
@@ -435,7 +444,7 @@ pub fn linear_tiled<F: Float, NV: Size>(
     }
     sync_cube();
 
-    // Epilogue: row scale, bias, cast, bounds.
+    // Epilogue: bias, added matrix, cast, bounds.
     let mut e = tid;
     while e < comptime!(bm * bn) {
         let m = m0 + e / bn;
@@ -444,6 +453,9 @@ pub fn linear_tiled<F: Float, NV: Size>(
             let mut v = c_tile[e];
             if comptime!(cfg.has_bias) {
                 v += f32::cast_from(bias[n]);
+            }
+            if comptime!(cfg.has_add) {
+                v += f32::cast_from(add[m * add.stride(0) + n]);
             }
             let at = m * out.stride(0) + n;
             out[at] = F::cast_from(v);

@@ -109,8 +109,8 @@ fn cublas_device(device: &cubecl::Device) -> Option<usize> {
     }
 }
 
-/// The fused op on CubeCL tensors: `h = x (+ residual)`, `y = rms_norm(h)·Wᵀ (+ b)` (without
-/// `gamma`, a plain linear). Returns `(y [M, N], h [M, K])`. Arguments were checked by
+/// The fused op on CubeCL tensors: `h = x (+ residual)`, `y = rms_norm(h)·Wᵀ (+ b) (+ add)`
+/// (without `gamma`, a plain linear). Returns `(y [M, N], h [M, K])`. Arguments were checked by
 /// [`super::check_args`].
 pub(crate) fn fused_linear(
     x: CubeTensor,
@@ -118,6 +118,7 @@ pub(crate) fn fused_linear(
     gamma: Option<CubeTensor>,
     w: CubeTensor,
     bias: Option<CubeTensor>,
+    add: Option<CubeTensor>,
     eps: f32,
 ) -> (CubeTensor, CubeTensor) {
     let x = unit_inner_stride(x);
@@ -231,7 +232,8 @@ pub(crate) fn fused_linear(
                 || n == 0
                 || index.is_some_and(|i| {
                     let bias = bias.clone().map(unit_inner_stride);
-                    super::cublas::gemm(i, &lhs, &w, bias.as_ref(), &y).is_ok()
+                    let add = add.clone().map(unit_inner_stride);
+                    super::cublas::gemm(i, &lhs, &w, bias.as_ref(), add.as_ref(), &y).is_ok()
                 })
             {
                 return (y, h);
@@ -245,6 +247,10 @@ pub(crate) fn fused_linear(
             Some(b) => CubeBackend::float_add(y, CubeBackend::float_reshape(b, Shape::new([1, n]))),
             None => y,
         };
+        let y = match add {
+            Some(a) => CubeBackend::float_add(y, a),
+            None => y,
+        };
         return (y, h);
     }
 
@@ -254,9 +260,11 @@ pub(crate) fn fused_linear(
     }
     let has_norm = gamma.is_some();
     let has_bias = bias.is_some();
+    let has_add = add.is_some();
     // Absent optional operands are bound to `h` and never read (comptime flags).
     let gamma = gamma.unwrap_or_else(|| h.clone());
     let bias = bias.unwrap_or_else(|| h.clone());
+    let add = add.map(unit_inner_stride).unwrap_or_else(|| h.clone());
 
     if route == LinearRoute::Skinny {
         let vec = vector_size(dtype, &[k, h.meta.strides()[0], w.meta.strides()[0]]);
@@ -266,6 +274,7 @@ pub(crate) fn fused_linear(
             cube_dim: caps.cube_units,
             has_norm,
             has_bias,
+            has_add,
             use_plane: caps.plane_ops,
         };
         // SAFETY: weight rows are clamped to `N - 1` and input rows to `M - 1` for loads;
@@ -281,6 +290,7 @@ pub(crate) fn fused_linear(
                 gamma.into_tensor_arg(),
                 w.into_tensor_arg(),
                 bias.into_tensor_arg(),
+                add.clone().into_tensor_arg(),
                 out.clone().into_tensor_arg(),
                 cfg,
                 dtype_to_storage_type(dtype),
@@ -300,6 +310,7 @@ pub(crate) fn fused_linear(
             cube_dim: bm * bn / 16,
             has_norm,
             has_bias,
+            has_add,
         };
         // K, the row pitches and the stage width must be multiples of the vector.
         let vec = vector_size(
@@ -318,6 +329,7 @@ pub(crate) fn fused_linear(
                 gamma.into_tensor_arg(),
                 w.into_tensor_arg(),
                 bias.into_tensor_arg(),
+                add.clone().into_tensor_arg(),
                 out.clone().into_tensor_arg(),
                 cfg,
                 dtype_to_storage_type(dtype),

@@ -1,4 +1,5 @@
-//! Fused RMSNorm + linear, its residual variant, and the plain linear op.
+//! Fused RMSNorm + linear, its residual variant, the plain linear op and the linear op that
+//! closes a residual connection.
 //!
 //! On CubeCL devices these run our kernels (`kernel.rs`, launched by `launch.rs`); elsewhere the
 //! plain-Burn composition in `reference.rs`, which also defines what they compute.
@@ -47,7 +48,7 @@ pub fn rms_norm_linear(
     if !crate::runs_kernels(&x) {
         return reference::rms_norm_linear(x, norm_weight, weight, bias, eps);
     }
-    dispatch(x, None, Some(norm_weight), weight, bias, eps).0
+    dispatch(x, None, Some(norm_weight), weight, bias, eps, false).0
 }
 
 /// `h = x + residual; y = rms_norm(h, norm_weight) · Wᵀ (+ b)`; returns `(y, h)`.
@@ -78,7 +79,15 @@ pub fn add_rms_norm_linear(
     if !crate::runs_kernels(&x) {
         return reference::add_rms_norm_linear(x, residual, norm_weight, weight, bias, eps);
     }
-    dispatch(x, Some(residual), Some(norm_weight), weight, bias, eps)
+    dispatch(
+        x,
+        Some(residual),
+        Some(norm_weight),
+        weight,
+        bias,
+        eps,
+        false,
+    )
 }
 
 /// `y = x · Wᵀ (+ b)`. `x [M, K]`, `weight [N, K]`, `bias [N]` → `[M, N]`.
@@ -90,7 +99,47 @@ pub fn linear(x: Tensor<2>, weight: Tensor<2>, bias: Option<Tensor<1>>) -> Tenso
     if !crate::runs_kernels(&x) {
         return reference::linear(x, weight, bias);
     }
-    dispatch(x, None, None, weight, bias, 0.0).0
+    dispatch(x, None, None, weight, bias, 0.0, false).0
+}
+
+/// `y = x · Wᵀ (+ b) + residual`: a product that also closes a residual connection (a Qwen
+/// block's o_proj and down_proj), the sum in f32 before the single rounding. On cuBLASLt the
+/// residual rides in the GEMM (`beta = 1`), elsewhere in the kernels' epilogues.
+///
+/// `x [M, K]`, `weight [N, K]`, `bias [N]`, `residual [M, N]` → `[M, N]`.
+///
+/// # Panics
+/// On mismatched shapes or dtypes, with a message naming the operand (see [`check_args`]).
+pub fn linear_add(
+    x: Tensor<2>,
+    weight: Tensor<2>,
+    bias: Option<Tensor<1>>,
+    residual: Tensor<2>,
+) -> Tensor<2> {
+    expect_valid(
+        "linear_add",
+        check_args(&x, None, None, &weight, bias.as_ref()).and_then(|()| {
+            let want = [x.dims()[0], weight.dims()[0]];
+            if residual.dims() != want {
+                Err(KernelError::invalid(format!(
+                    "residual has shape {:?}; expected {want:?}",
+                    residual.dims()
+                )))
+            } else if residual.dtype() != x.dtype() {
+                Err(KernelError::invalid(format!(
+                    "residual has dtype {:?}, x has {:?}",
+                    residual.dtype(),
+                    x.dtype()
+                )))
+            } else {
+                Ok(())
+            }
+        }),
+    );
+    if !crate::runs_kernels(&x) {
+        return reference::linear(x, weight, bias) + residual;
+    }
+    dispatch(x, Some(residual), None, weight, bias, 0.0, true).0
 }
 
 /// The implementation [`linear`] and the fused ops take for `x [M, K]` (its device, dtype and
@@ -108,6 +157,7 @@ pub fn linear_route(x: &Tensor<2>, n: usize) -> Option<LinearRoute> {
     }
 }
 
+/// `add_out`: `residual` is added to the output (`[M, N]`), not to the input.
 fn dispatch(
     x: Tensor<2>,
     residual: Option<Tensor<2>>,
@@ -115,10 +165,16 @@ fn dispatch(
     weight: Tensor<2>,
     bias: Option<Tensor<1>>,
     eps: f64,
+    add_out: bool,
 ) -> (Tensor<2>, Tensor<2>) {
     let mut operands = 0;
+    let residual_bit = if add_out {
+        LinearOperands::ADD_OUT
+    } else {
+        LinearOperands::RESIDUAL
+    };
     for (present, bit) in [
-        (residual.is_some(), LinearOperands::RESIDUAL),
+        (residual.is_some(), residual_bit),
         (gamma.is_some(), LinearOperands::NORM),
         (bias.is_some(), LinearOperands::BIAS),
     ] {

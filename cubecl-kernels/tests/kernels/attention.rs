@@ -2,7 +2,7 @@
 
 use burn::tensor::{DType, Device};
 use cubecl_kernels::attention::reference;
-use cubecl_kernels::{AttentionMetadata, LayerKvCache, QkNorm, Rope};
+use cubecl_kernels::{AttentionMetadata, LayerKvCache, QkNorm, Rope, RowScale};
 use rand::Rng;
 use rand::rngs::StdRng;
 use rand::seq::SliceRandom;
@@ -269,11 +269,13 @@ fn decode_matches_reference() {
     );
 }
 
-/// The fused norm + RoPE + KV write, with skipped slots (−1), against split/norm/rope/store.
+/// The fused norm + RoPE + KV write, with skipped slots (−1), against split/norm/rope/store;
+/// with a deferred row scale (with and without bias) against the scaled projection first.
 #[test]
 fn rope_store_kv_matches_reference() {
     let mut rng = rng("rope_store_kv_matches_reference");
-    for (h, qk_norm, dtype) in [
+    // (heads, qk_norm, row scale: None or Some(bias), dtype)
+    for (h, qk_norm, row_scale, dtype) in [
         (
             Heads {
                 heads: 14,
@@ -281,6 +283,17 @@ fn rope_store_kv_matches_reference() {
                 d: 64,
             },
             false,
+            None,
+            DType::F32,
+        ),
+        (
+            Heads {
+                heads: 14,
+                kv_heads: 2,
+                d: 64,
+            },
+            false,
+            Some(true),
             DType::F32,
         ),
         (
@@ -290,6 +303,17 @@ fn rope_store_kv_matches_reference() {
                 d: 32,
             },
             true,
+            None,
+            DType::F32,
+        ),
+        (
+            Heads {
+                heads: 4,
+                kv_heads: 2,
+                d: 32,
+            },
+            true,
+            Some(false),
             DType::F32,
         ),
         (
@@ -299,17 +323,32 @@ fn rope_store_kv_matches_reference() {
                 d: 128,
             },
             true,
+            None,
+            DType::BF16,
+        ),
+        (
+            Heads {
+                heads: 8,
+                kv_heads: 4,
+                d: 128,
+            },
+            false,
+            Some(true),
             DType::BF16,
         ),
     ] {
         let l = Layout::new(&mut rng, &[(5, 9), (1, 17), (3, 3)], 16);
         let what = format!(
-            "heads={}/{} d={} qk_norm={qk_norm} {dtype:?}",
+            "heads={}/{} d={} qk_norm={qk_norm} row_scale={row_scale:?} {dtype:?}",
             h.heads, h.kv_heads, h.d
         );
         let t = l.tokens();
         let width = (h.heads + 2 * h.kv_heads) * h.d;
         let qkv = random(&mut rng, t * width, 2.0, dtype);
+        // The row-scale input (K = 72: vectors of 4 or 8) and the projection's bias.
+        let kx = 72;
+        let xs = random(&mut rng, t * kx, 3.0, dtype);
+        let bias = random(&mut rng, width, 0.5, dtype);
         let cache_len = l.num_blocks * l.block_size * h.kv_heads * h.d;
         let kv = (
             random(&mut rng, cache_len, 1.0, dtype),
@@ -362,9 +401,22 @@ fn rope_store_kv_matches_reference() {
                 cos: &cos,
                 sin: &sin,
             };
+            let (x, b) = (
+                tensor(&xs, [t, kx], dtype, device),
+                tensor(&bias, [width], dtype, device),
+            );
+            let scale = row_scale.map(|with_bias| RowScale {
+                input: &x,
+                bias: with_bias.then_some(&b),
+                eps: 1e-6,
+            });
             let q = if kernel {
-                cubecl_kernels::rope_store_kv(qkv, h.heads, norm, rope, &meta, &mut cache)
+                cubecl_kernels::rope_store_kv(qkv, h.heads, scale, norm, rope, &meta, &mut cache)
             } else {
+                let qkv = match scale {
+                    Some(s) => s.apply(qkv),
+                    None => qkv,
+                };
                 reference::rope_store_kv(qkv, h.heads, norm, rope, &meta, &mut cache)
             };
             (host(q), host(cache.k), host(cache.v))

@@ -1,4 +1,5 @@
-//! Fused RMSNorm + linear, its residual variant and the plain linear op.
+//! Fused RMSNorm + linear, its residual variant, the plain linear op and the linear op that adds
+//! a residual to its output; the gated activation with a deferred row scale.
 
 use burn::tensor::DType;
 use cubecl_kernels::rms_norm_linear::reference;
@@ -28,6 +29,8 @@ struct Case {
     dtype: DType,
     x: Vec<f32>,
     r: Vec<f32>,
+    /// The residual added to the output (`linear_add`), `[M, N]`.
+    ro: Vec<f32>,
     g: Vec<f32>,
     w: Vec<f32>,
     b: Vec<f32>,
@@ -42,6 +45,7 @@ impl Case {
             dtype,
             x: random(rng, m * k, 2.0, dtype),
             r: random(rng, m * k, 1.0, dtype),
+            ro: random(rng, m * n, 1.0, dtype),
             g: random(rng, k, 1.0, dtype).iter().map(|v| v + 1.5).collect(),
             w: random(rng, n * k, 1.0 / (k as f32).sqrt(), dtype),
             b: random(rng, n, 0.5, dtype),
@@ -77,6 +81,14 @@ fn check(name: &str, c: &Case, bias: bool) {
         match (name, kernel) {
             ("linear", true) => (host(cubecl_kernels::linear(x, w, b)), None),
             ("linear", false) => (host(reference::linear(x, w, b)), None),
+            ("linear_add", kernel) => {
+                let ro = tensor(&c.ro, [c.m, c.n], dtype, dev);
+                if kernel {
+                    (host(cubecl_kernels::linear_add(x, w, b, ro)), None)
+                } else {
+                    (host(reference::linear(x, w, b) + ro), None)
+                }
+            }
             ("rms_norm_linear", true) => {
                 (host(cubecl_kernels::rms_norm_linear(x, g, w, b, eps)), None)
             }
@@ -118,6 +130,7 @@ fn fused_ops_match_reference_f32() {
         check("rms_norm_linear", &c, i % 2 == 0);
         check("add_rms_norm_linear", &c, i % 2 == 1);
         check("linear", &c, i % 3 == 0);
+        check("linear_add", &c, i % 2 == 0);
     }
 }
 
@@ -129,6 +142,52 @@ fn fused_ops_match_reference_half_precision() {
         let c = Case::new(&mut rng, shape, dtype);
         check("add_rms_norm_linear", &c, true);
         check("linear", &c, false);
+        check("linear_add", &c, i % 3 == 0);
+    }
+}
+
+/// `silu(gate)·up` with and without a deferred row scale (and bias) against the plain-Burn
+/// definition: odd and vector-unfriendly widths, one and many rows, long input rows.
+#[test]
+fn silu_mul_matches_reference() {
+    use cubecl_kernels::{RowScale, silu_mul};
+    let mut rng = rng("silu_mul_matches_reference");
+    // (T, I, K of the row-scale input, row scale: None or Some(bias), dtype)
+    let cases = [
+        (1, 8, 72, None, DType::F32),
+        (3, 37, 100, Some(false), DType::F32),
+        (257, 64, 96, Some(true), DType::F32),
+        (5, 600, 896, Some(false), DType::BF16),
+        (17, 96, 4200, Some(true), DType::F16),
+        (2, 40, 24, None, DType::BF16),
+    ];
+    for (t, i, k, scaled, dtype) in cases {
+        let what = format!("silu_mul T={t} I={i} K={k} row_scale={scaled:?} {dtype:?}");
+        eprintln!("{what}");
+        let gu = random(&mut rng, t * 2 * i, 3.0, dtype);
+        let xs = random(&mut rng, t * k, 2.0, dtype);
+        let bias = random(&mut rng, 2 * i, 0.5, dtype);
+        let run = |dev: &burn::tensor::Device, dt: DType, kernel: bool| {
+            if kernel {
+                poison_pool(dev, 4 * t * 2 * i + 4096);
+            }
+            let gu = tensor(&gu, [t, 2 * i], dt, dev);
+            let x = tensor(&xs, [t, k], dt, dev);
+            let b = tensor(&bias, [2 * i], dt, dev);
+            let scale = scaled.map(|with_bias| RowScale {
+                input: &x,
+                bias: with_bias.then_some(&b),
+                eps: 1e-6,
+            });
+            host(if kernel {
+                silu_mul(gu, scale)
+            } else {
+                cubecl_kernels::silu_mul::reference(gu, scale)
+            })
+        };
+        let y = run(&kernel_device(), dtype, true);
+        let y_ref = run(&reference_device(), DType::F32, false);
+        assert_rel(&what, &y, &y_ref, tolerance(dtype));
     }
 }
 
@@ -210,6 +269,9 @@ fn magnitude(name: &str, c: &Case, bias: bool, dev: &burn::tensor::Device) -> Ve
     let b = bias.then(|| tensor(&abs(&c.b), [c.n], DType::F32, dev));
     if name == "linear" {
         host(reference::linear(x, w, b))
+    } else if name == "linear_add" {
+        let ro = tensor(&abs(&c.ro), [c.m, c.n], DType::F32, dev);
+        host(reference::linear(x, w, b) + ro)
     } else {
         host(reference::rms_norm_linear(x, g, w, b, 1e-6))
     }

@@ -1,17 +1,20 @@
 use burn::module::Module;
 use burn::tensor::Tensor;
 use cubecl_kernels::attention::reference;
-use cubecl_kernels::{AttentionMetadata, LayerKvCache, QkNorm};
+use cubecl_kernels::{AttentionMetadata, LayerKvCache, QkNorm, RowScale};
 
 use super::{Linear, RmsNorm, RotaryEmbedding};
 
 /// Grouped-query self-attention of one Qwen2/Qwen3 layer over the paged KV cache.
 ///
-/// q, k and v are one merged projection (`qkv_proj.weight [(heads + 2·kv_heads)·head_dim, H]`),
-/// computed by the caller together with the input RMSNorm.
+/// q, k and v are one merged projection (`qkv_proj.weight [(heads + 2·kv_heads)·head_dim, H]`)
+/// of the layer's input, with the input RMSNorm's gain folded into its weight: the caller runs
+/// the plain product of the raw rows, and [`Self::attend`] completes it (the norm's row scale,
+/// then the bias) inside the KV write.
 #[derive(Module, Debug)]
 pub struct Qwen2Attention {
-    /// Merged q/k/v projection, `[(heads + 2·kv_heads)·head_dim, H]` (+ bias on Qwen2).
+    /// Merged q/k/v projection, `[(heads + 2·kv_heads)·head_dim, H]` (+ bias on Qwen2), the
+    /// input RMSNorm's gain folded in (`W·diag g`).
     pub qkv_proj: Linear,
     /// Output projection, `[H, heads·head_dim]`, no bias.
     pub o_proj: Linear,
@@ -54,11 +57,28 @@ impl Qwen2Attention {
         }
     }
 
-    /// Attention output before `o_proj`, `[T, heads·head_dim]`, from the merged projection
-    /// `qkv [T, (heads + 2·kv_heads)·head_dim]`. Stores the new keys/values in `cache`.
+    /// The unscaled, unbiased merged projection of the layer input `h [T, H]`:
+    /// `h · (W·diag g)ᵀ` `[T, (heads + 2·kv_heads)·head_dim]` (what [`Self::attend`] takes).
+    pub fn project(&self, h: Tensor<2>) -> Tensor<2> {
+        cubecl_kernels::linear(h, self.qkv_proj.weight.val(), None)
+    }
+
+    /// The projection's deferred RMSNorm row scale and bias, for the layer input `h`.
+    pub fn row_scale<'a>(&'a self, h: &'a Tensor<2>, eps: f64) -> RowScale<'a> {
+        RowScale {
+            input: h,
+            bias: self.qkv_proj.bias.as_deref(),
+            eps,
+        }
+    }
+
+    /// Attention output before `o_proj`, `[T, heads·head_dim]`, from the unscaled merged
+    /// projection `qkv [T, (heads + 2·kv_heads)·head_dim]` ([`Self::project`]) and its row scale.
+    /// Stores the new keys/values in `cache`.
     pub fn attend(
         &self,
         qkv: Tensor<2>,
+        row_scale: RowScale<'_>,
         rotary: &RotaryEmbedding,
         meta: &AttentionMetadata,
         cache: &mut LayerKvCache,
@@ -67,6 +87,7 @@ impl Qwen2Attention {
         let q = cubecl_kernels::rope_store_kv(
             qkv,
             self.num_heads,
+            Some(row_scale),
             self.qk_norm(),
             rotary.rope(),
             meta,

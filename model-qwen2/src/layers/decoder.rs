@@ -6,48 +6,51 @@ use super::{Qwen2Attention, Qwen2Mlp, RmsNorm, RotaryEmbedding};
 
 /// One decoder layer: `h += attn(norm(h)); h += mlp(norm(h))`.
 ///
-/// The residual add is deferred into the next norm (the fused residual RMSNorm + linear), so the
-/// layer takes and returns the pair `(x, residual)` whose sum is the residual stream.
+/// Neither RMSNorm runs as a kernel of its own: their gains are folded into the weights of the
+/// products that follow them (qkv, gate/up; [`Self::fold_norm_gains`], done at load), the
+/// products multiply the raw residual stream, and the per-row `1/rms` is applied by the kernels
+/// that read the products next (the KV write, the gated activation; see
+/// [`cubecl_kernels::row_scale`]). The residual adds ride in o_proj's and down_proj's products.
 #[derive(Module, Debug)]
 pub struct Qwen2DecoderLayer {
-    /// RMSNorm before attention, `[H]`.
+    /// RMSNorm before attention, `[H]`; its gain is also folded into `qkv_proj`.
     pub input_layernorm: RmsNorm,
     /// Self-attention.
     pub self_attn: Qwen2Attention,
-    /// RMSNorm before the MLP, `[H]`.
+    /// RMSNorm before the MLP, `[H]`; its gain is also folded into `gate_up_proj`.
     pub post_attention_layernorm: RmsNorm,
     /// Gated MLP.
     pub mlp: Qwen2Mlp,
 }
 
 impl Qwen2DecoderLayer {
-    /// `x [T, H]` and the pending `residual [T, H]` (None for the first layer, whose input is
-    /// the embedding) → `(mlp_out [T, H], residual [T, H])`; the layer's output is their sum.
+    /// A layer from checkpoint weights (q/k/v and gate/up merged, norms not yet folded): folds
+    /// each norm's gain into the product after it.
+    pub fn fold_norm_gains(mut self) -> Self {
+        let fold = |linear: &mut super::Linear, norm: &RmsNorm| {
+            let w = cubecl_kernels::fold_norm_gain(linear.weight.val(), norm.weight.val());
+            linear.weight = burn::module::Param::from_tensor(w);
+        };
+        fold(&mut self.self_attn.qkv_proj, &self.input_layernorm);
+        fold(&mut self.mlp.gate_up_proj, &self.post_attention_layernorm);
+        self
+    }
+
+    /// The residual stream after this layer, `h [T, H]` → `[T, H]`. Writes the batch's keys and
+    /// values into `cache`.
     pub fn forward(
         &self,
-        x: Tensor<2>,
-        residual: Option<Tensor<2>>,
+        h: Tensor<2>,
         rotary: &RotaryEmbedding,
         meta: &AttentionMetadata,
         cache: &mut LayerKvCache,
-    ) -> (Tensor<2>, Tensor<2>) {
-        let (qkv, residual) = match residual {
-            Some(r) => self
-                .input_layernorm
-                .forward_add_linear(x, r, &self.self_attn.qkv_proj),
-            None => (
-                self.input_layernorm
-                    .forward_linear(x.clone(), &self.self_attn.qkv_proj),
-                x,
-            ),
-        };
-        let attn = self.self_attn.attend(qkv, rotary, meta, cache);
-        let attn = self.self_attn.o_proj.forward(attn);
-        let (gate_up, residual) = self.post_attention_layernorm.forward_add_linear(
-            attn,
-            residual,
-            &self.mlp.gate_up_proj,
-        );
-        (self.mlp.forward_from_gate_up(gate_up), residual)
+    ) -> Tensor<2> {
+        let attn = &self.self_attn;
+        let qkv = attn.project(h.clone());
+        let row_scale = attn.row_scale(&h, self.input_layernorm.eps);
+        let out = attn.attend(qkv, row_scale, rotary, meta, cache);
+        let h = cubecl_kernels::linear_add(out, attn.o_proj.weight.val(), None, h);
+        self.mlp
+            .forward_residual(h, self.post_attention_layernorm.eps)
     }
 }

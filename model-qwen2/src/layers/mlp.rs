@@ -1,29 +1,40 @@
 use burn::module::Module;
-use burn::tensor::{Tensor, activation::silu};
+use burn::tensor::Tensor;
+use cubecl_kernels::RowScale;
 
 use super::Linear;
 
-/// SiLU-gated MLP: `down(silu(gate(x)) · up(x))`, gate and up merged into one projection that the
-/// caller computes together with the post-attention RMSNorm.
+/// SiLU-gated MLP: `down(silu(gate(norm(h))) · up(norm(h)))`, gate and up merged into one
+/// projection whose weight carries the post-attention RMSNorm's gain; the norm's row scale is
+/// applied in the activation ([`cubecl_kernels::silu_mul`]).
 #[derive(Module, Debug)]
 pub struct Qwen2Mlp {
-    /// `[2·I, H]`: rows `0..I` are `gate_proj`, rows `I..2I` are `up_proj`.
+    /// `[2·I, H]`: rows `0..I` are `gate_proj`, rows `I..2I` are `up_proj`, the post-attention
+    /// RMSNorm's gain folded in (`W·diag g`).
     pub gate_up_proj: Linear,
     /// `[H, I]`.
     pub down_proj: Linear,
 }
 
 impl Qwen2Mlp {
-    /// `silu(gate) · up` from the merged projection `gate_up [T, 2·I]` → `[T, I]`.
-    pub fn activate(gate_up: Tensor<2>) -> Tensor<2> {
-        let i = gate_up.dims()[1] / 2;
-        let gate = gate_up.clone().slice_dim(1, 0..i);
-        let up = gate_up.slice_dim(1, i..2 * i);
-        silu(gate) * up
+    /// The activation `silu(gate)·up` `[T, I]` of the post-attention residual stream
+    /// `h [T, H]`: the unscaled merged projection, completed by the norm's row scale
+    /// (epsilon `eps`) in the activation kernel.
+    pub fn activation(&self, h: &Tensor<2>, eps: f64) -> Tensor<2> {
+        let gate_up = cubecl_kernels::linear(h.clone(), self.gate_up_proj.weight.val(), None);
+        cubecl_kernels::silu_mul(
+            gate_up,
+            Some(RowScale {
+                input: h,
+                bias: None,
+                eps,
+            }),
+        )
     }
 
-    /// `down(silu(gate) · up)` from `gate_up [T, 2·I]` → `[T, H]`.
-    pub fn forward_from_gate_up(&self, gate_up: Tensor<2>) -> Tensor<2> {
-        self.down_proj.forward(Self::activate(gate_up))
+    /// `h + mlp(norm(h))` `[T, H]`: the block's output, the residual added in `down_proj`.
+    pub fn forward_residual(&self, h: Tensor<2>, eps: f64) -> Tensor<2> {
+        let act = self.activation(&h, eps);
+        cubecl_kernels::linear_add(act, self.down_proj.weight.val(), None, h)
     }
 }

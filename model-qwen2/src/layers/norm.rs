@@ -36,21 +36,4 @@ impl RmsNorm {
             self.eps,
         )
     }
-
-    /// `h = x + residual; rms_norm(h) · Wᵀ (+ b)` in one op; returns `(y [M, out], h [M, dim])`.
-    pub fn forward_add_linear(
-        &self,
-        x: Tensor<2>,
-        residual: Tensor<2>,
-        linear: &Linear,
-    ) -> (Tensor<2>, Tensor<2>) {
-        cubecl_kernels::add_rms_norm_linear(
-            x,
-            residual,
-            self.weight.val(),
-            linear.weight.val(),
-            linear.bias.as_ref().map(Param::val),
-            self.eps,
-        )
-    }
 }

@@ -147,9 +147,16 @@ fn check_activations(name: &str, model: &Qwen2Model, golden: &Golden, p: usize) 
 
     let embed = model.embed(input.clone());
     check("embed", to_vec(embed.clone()));
-    let x = layer.input_layernorm.forward(embed.clone());
-    check("layer0.input_norm", to_vec(x.clone()));
-    let qkv = attn.qkv_proj.forward(x);
+    check(
+        "layer0.input_norm",
+        to_vec(layer.input_layernorm.forward(embed.clone())),
+    );
+    // The projection of the normalised rows: the gain sits in the weight, the row scale and
+    // bias are applied after the product (in the KV write on the production path).
+    let eps = layer.input_layernorm.eps;
+    let qkv = attn
+        .row_scale(&embed, eps)
+        .apply(attn.project(embed.clone()));
     let (q_sz, kv_sz) = (model.config.q_size(), model.config.kv_size());
     check("layer0.q_proj", to_vec(qkv.clone().slice_dim(1, 0..q_sz)));
     check(
@@ -176,34 +183,38 @@ fn check_activations(name: &str, model: &Qwen2Model, golden: &Golden, p: usize) 
     );
 
     let mut cache = KvCache::new(&model.config, 8, BLOCK_SIZE, DType::F32, &device).unwrap();
-    let attn_out =
-        attn.o_proj
-            .forward(attn.attend(qkv, &model.rotary, &meta, &mut cache.layers[0]));
+    let attn_out = attn.o_proj.forward(attn.attend(
+        attn.project(embed.clone()),
+        attn.row_scale(&embed, eps),
+        &model.rotary,
+        &meta,
+        &mut cache.layers[0],
+    ));
     check("layer0.attn_out", to_vec(attn_out.clone()));
     let residual = attn_out + embed.clone();
     check("layer0.attn_residual", to_vec(residual.clone()));
-    let post = layer.post_attention_layernorm.forward(residual);
-    check("layer0.post_attn_norm", to_vec(post.clone()));
+    let post = layer.post_attention_layernorm.forward(residual.clone());
+    check("layer0.post_attn_norm", to_vec(post));
+    let post_eps = layer.post_attention_layernorm.eps;
     check(
         "layer0.mlp_out",
         to_vec(
             layer
                 .mlp
-                .forward_from_gate_up(layer.mlp.gate_up_proj.forward(post)),
+                .down_proj
+                .forward(layer.mlp.activation(&residual, post_eps)),
         ),
     );
 
-    // Every layer's output through the production forward (fused residual path).
+    // Every layer's output through the production forward (deferred norms, residual adds in
+    // the products).
     let mut cache = KvCache::new(&model.config, 8, BLOCK_SIZE, DType::F32, &device).unwrap();
-    let (mut x, mut residual) = (embed, None);
+    let mut h: Tensor<2> = embed;
     for (k, layer) in model.layers.iter().enumerate() {
-        let (out, r) = layer.forward(x, residual, &model.rotary, &meta, &mut cache.layers[k]);
-        check(&format!("layer{k}.output"), to_vec(out.clone() + r.clone()));
-        x = out;
-        residual = Some(r);
+        h = layer.forward(h, &model.rotary, &meta, &mut cache.layers[k]);
+        check(&format!("layer{k}.output"), to_vec(h.clone()));
     }
-    let stream: Tensor<2> = x + residual.unwrap();
-    check("final_norm", to_vec(model.norm.forward(stream)));
+    check("final_norm", to_vec(model.norm.forward(h)));
 }
 
 #[test]

@@ -1,0 +1,219 @@
+//! The SiLU-gated activation of a merged gate/up projection, with the projection's deferred
+//! RMSNorm row scale and bias applied on the way in (see [`crate::row_scale`]).
+//!
+//! Memory layout: `gate_up [T, 2·I]` row-major (gate in columns `0..I`, up in `I..2·I`), unit
+//! inner stride; `x [T, K]` (the row-scale input); `bias [2·I]`; output `[T, I]`.
+//!
+//! Launch geometry: one cube per row `t`. With a row scale the cube first reduces the row of `x`
+//! ([`row_inv_rms`]); then its units stride over the row's `I` outputs in vectors of `NV`.
+
+use burn::backend::Dispatch;
+use burn::backend::cubecl::dtype_to_storage_type;
+use burn::tensor::activation::silu;
+use burn::tensor::{Shape, Tensor};
+use burn_cubecl::{ops::numeric::empty_device_dtype, tensor::CubeTensor};
+use cubecl::prelude::{CubeCount, CubeDim};
+
+use self::kernel::{SiluMulConfig, silu_mul_kernel};
+use crate::device_caps::DeviceCaps;
+use crate::ops::KernelOps;
+use crate::row_scale::RowScale;
+use crate::{KernelError, unit_inner_stride, vector_size};
+
+/// `silu(gate) · up` of `gate_up [T, 2·I]` → `[T, I]`, the rows first scaled by `row_scale`
+/// (`gate_up` is then the unscaled product of the MLP input `x`, the gain folded into its
+/// weight) and biased. f32, f16 or bf16; arithmetic in f32, the scaled projection rounded to the
+/// dtype first as the undeferred product would be.
+///
+/// # Panics
+/// On an odd width or operands that do not match `gate_up`, naming the operand.
+pub fn silu_mul(gate_up: Tensor<2>, row_scale: Option<RowScale<'_>>) -> Tensor<2> {
+    let [t, width] = gate_up.dims();
+    let check = || -> Result<(), KernelError> {
+        if !width.is_multiple_of(2) {
+            return Err(KernelError::invalid(format!(
+                "gate_up has odd width {width}; expected [T, 2·I]"
+            )));
+        }
+        if let Some(s) = &row_scale {
+            s.check(t, width)?;
+            for (name, dtype) in [
+                ("row_scale input", Some(s.input.dtype())),
+                ("row_scale bias", s.bias.map(|b| b.dtype())),
+            ] {
+                if let Some(d) = dtype.filter(|&d| d != gate_up.dtype()) {
+                    return Err(KernelError::invalid(format!(
+                        "{name} has dtype {d:?}, gate_up has {:?}",
+                        gate_up.dtype()
+                    )));
+                }
+            }
+        }
+        Ok(())
+    };
+    check().unwrap_or_else(|e| panic!("silu_mul: {e}"));
+    if !crate::runs_kernels(&gate_up) {
+        return reference(gate_up, row_scale);
+    }
+    let placeholder = || gate_up.clone().into_dispatch();
+    let (x, bias, eps, flags) = match row_scale {
+        Some(s) => (
+            s.input.clone().into_dispatch(),
+            s.bias.map(|b| b.clone().into_dispatch()),
+            s.eps as f32,
+            SiluMulFlags {
+                scaled: true,
+                has_bias: s.bias.is_some(),
+            },
+        ),
+        None => (placeholder(), None, 0.0, SiluMulFlags::default()),
+    };
+    let bias = bias.unwrap_or_else(placeholder);
+    Tensor::from_dispatch(Dispatch::silu_mul(
+        gate_up.into_dispatch(),
+        x,
+        bias,
+        eps,
+        flags,
+    ))
+}
+
+/// The plain-Burn definition of [`silu_mul`].
+pub fn reference(gate_up: Tensor<2>, row_scale: Option<RowScale<'_>>) -> Tensor<2> {
+    let gate_up = match row_scale {
+        Some(s) => s.apply(gate_up),
+        None => gate_up,
+    };
+    let i = gate_up.dims()[1] / 2;
+    let gate = gate_up.clone().slice_dim(1, 0..i);
+    let up = gate_up.slice_dim(1, i..2 * i);
+    silu(gate) * up
+}
+
+/// Which optional operands of the op are present.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
+pub struct SiluMulFlags {
+    /// Scale each row by `inv_rms(x)`.
+    pub scaled: bool,
+    /// Add `bias` after the scale (only with `scaled`).
+    pub has_bias: bool,
+}
+
+mod kernel {
+    use cubecl::prelude::*;
+
+    use super::SiluMulFlags;
+    use crate::row_scale::row_inv_rms;
+
+    /// Comptime part of the launch.
+    #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+    pub struct SiluMulConfig {
+        pub flags: SiluMulFlags,
+        pub cube_dim: usize,
+        pub use_plane: bool,
+    }
+
+    /// See the module documentation.
+    #[cube(launch_unchecked)]
+    #[allow(clippy::too_many_arguments)]
+    pub fn silu_mul_kernel<F: Float, NV: Size, XV: Size>(
+        gate_up: &Tensor<Vector<F, NV>>,
+        x: &Tensor<Vector<F, XV>>,
+        bias: &Tensor<Vector<F, NV>>,
+        out: &mut Tensor<Vector<F, NV>>,
+        eps: f32,
+        #[comptime] cfg: SiluMulConfig,
+        #[define(F)] _dtype: ElemType,
+    ) {
+        let row = CUBE_POS_X as usize;
+        let mut scale = 1.0f32;
+        if comptime!(cfg.flags.scaled) {
+            let mut scratch = Shared::<[f32]>::new_slice(cfg.cube_dim);
+            scale = row_inv_rms(x, row, eps, &mut scratch, cfg.use_plane);
+        }
+        let nv = out.vector_size();
+        let i_vecs = out.shape(1) / nv;
+        let g_at = row * (gate_up.stride(0) / nv);
+        let o_at = row * (out.stride(0) / nv);
+        let s = Vector::<f32, NV>::new(scale);
+        let one = Vector::<f32, NV>::new(1.0);
+        let mut i = UNIT_POS_X as usize;
+        while i < i_vecs {
+            let mut g = Vector::<f32, NV>::cast_from(gate_up[g_at + i]);
+            let mut u = Vector::<f32, NV>::cast_from(gate_up[g_at + i_vecs + i]);
+            if comptime!(cfg.flags.scaled) {
+                g *= s;
+                u *= s;
+                if comptime!(cfg.flags.has_bias) {
+                    g += Vector::<f32, NV>::cast_from(bias[i]);
+                    u += Vector::<f32, NV>::cast_from(bias[i_vecs + i]);
+                }
+                // Rounded once, like the undeferred product's output.
+                g = Vector::<f32, NV>::cast_from(Vector::<F, NV>::cast_from(g));
+                u = Vector::<f32, NV>::cast_from(Vector::<F, NV>::cast_from(u));
+            }
+            let act = g / (one + Vector::exp(Vector::<f32, NV>::new(0.0) - g));
+            out[o_at + i] = Vector::<F, NV>::cast_from(act * u);
+            i += CUBE_DIM_X as usize;
+        }
+    }
+}
+
+/// Host side of [`silu_mul`] on CubeCL tensors (arguments checked there).
+pub(crate) fn launch(
+    gate_up: CubeTensor,
+    x: CubeTensor,
+    bias: CubeTensor,
+    eps: f32,
+    flags: SiluMulFlags,
+) -> CubeTensor {
+    let gate_up = unit_inner_stride(gate_up);
+    let x = unit_inner_stride(x);
+    let (t, width) = (gate_up.meta.shape()[0], gate_up.meta.shape()[1]);
+    let i = width / 2;
+    let dtype = gate_up.dtype;
+    let out = empty_device_dtype(
+        gate_up.client.clone(),
+        gate_up.device.clone(),
+        Shape::new([t, i]),
+        dtype,
+    );
+    if t == 0 || i == 0 {
+        return out;
+    }
+    let caps = DeviceCaps::of(&gate_up.client);
+    let nv = vector_size(
+        dtype,
+        &[i, gate_up.meta.strides()[0], out.meta.strides()[0]],
+    );
+    let xv = if flags.scaled {
+        vector_size(dtype, &[x.meta.shape()[1], x.meta.strides()[0]])
+    } else {
+        1
+    };
+    let cube_dim = caps.cube_units.min((i / nv).next_power_of_two()).max(1);
+    let cfg = SiluMulConfig {
+        flags,
+        cube_dim,
+        use_plane: caps.plane_ops && cube_dim.is_multiple_of(caps.plane_size),
+    };
+    // SAFETY: one cube per row below `T`; vector indices stay below the row's `I / NV` (and
+    // `K / XV` for `x`), the widths and row pitches being multiples of the vectors.
+    unsafe {
+        silu_mul_kernel::launch_unchecked(
+            &out.client,
+            CubeCount::Static(t as u32, 1, 1),
+            CubeDim::new_1d(cube_dim as u32),
+            nv,
+            xv,
+            gate_up.into_tensor_arg(),
+            x.into_tensor_arg(),
+            bias.into_tensor_arg(),
+            out.clone().into_tensor_arg(),
+            eps,
+            cfg,
+            dtype_to_storage_type(dtype),
+        );
+    }
+    out
+}
