@@ -40,7 +40,7 @@ struct Cli {
     #[arg(long)]
     ours_only: bool,
     /// Linear suite: dtypes (comma-separated: bf16, f16, f32), instead of the device's default
-    /// (bf16 on CUDA, f32 elsewhere).
+    /// (bf16 on CUDA, f32 elsewhere); the step suite takes the first.
     #[arg(long, value_delimiter = ',')]
     dtypes: Vec<String>,
     /// Head shapes of the decode and prefill suites (comma-separated), instead of both.
@@ -222,7 +222,13 @@ fn main() -> Result<()> {
             c.num_hidden_layers = 2;
             c.vocab_size = 1000;
         }
-        tables.push(decode_step::run("qwen2-0.5b", &c, ms, !cli.ours_only, &device, dtype).json());
+        let step_dtype = match cli.dtypes.first() {
+            Some(d) => parse_dtype(d)?,
+            None => dtype,
+        };
+        tables.push(
+            decode_step::run("qwen2-0.5b", &c, ms, !cli.ours_only, &device, step_dtype).json(),
+        );
     }
     let in_process_serve = cli.suite.contains(&Suite::Serve) && cli.url.is_none();
     let engine_suites = [

@@ -103,6 +103,15 @@ pub fn rope_store_kv(
                 meta.num_tokens()
             )));
         }
+        for (name, table) in [("cos", rope.cos), ("sin", rope.sin)] {
+            if table.dtype() != DType::F32 || table.dims() != rope.cos.dims() {
+                return Err(KernelError::invalid(format!(
+                    "RoPE table {name} has dtype {:?} and shape {:?}; expected f32 tables of one shape",
+                    table.dtype(),
+                    table.dims()
+                )));
+            }
+        }
         if rope.cos.dims()[1] != d / 2 || rope.cos.dims()[0] <= meta.max_position {
             return Err(KernelError::invalid(format!(
                 "RoPE tables of shape {:?} do not cover head_dim {d} and position {}",

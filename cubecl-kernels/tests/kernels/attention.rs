@@ -336,6 +336,16 @@ fn rope_store_kv_matches_reference() {
             Some(true),
             DType::BF16,
         ),
+        (
+            Heads {
+                heads: 14,
+                kv_heads: 2,
+                d: 64,
+            },
+            false,
+            Some(true),
+            DType::BF16,
+        ),
     ] {
         let l = Layout::new(&mut rng, &[(5, 9), (1, 17), (3, 3)], 16);
         let what = format!(
@@ -345,9 +355,10 @@ fn rope_store_kv_matches_reference() {
         let t = l.tokens();
         let width = (h.heads + 2 * h.kv_heads) * h.d;
         let qkv = random(&mut rng, t * width, 2.0, dtype);
-        // The row-scale input (K = 72: vectors of 4 or 8) and the projection's bias.
-        let kx = 72;
-        let xs = random(&mut rng, t * kx, 3.0, dtype);
+        // The row-scale input (K = 72: vectors of 4 or 8; 896 as in Qwen2-0.5B), rows scaled
+        // by powers of two (exact) so that each row has its own scale, and the projection's bias.
+        let kx = if dtype == DType::BF16 { 896 } else { 72 };
+        let xs = row_scaled(random(&mut rng, t * kx, 3.0, dtype), kx);
         let bias = random(&mut rng, width, 0.5, dtype);
         let cache_len = l.num_blocks * l.block_size * h.kv_heads * h.d;
         let kv = (
@@ -487,4 +498,53 @@ fn plain_store_kv_matches_reference() {
     assert_eq!(k, k_ref, "k cache");
     assert_eq!(v, v_ref, "v cache");
     let _ = h.heads;
+}
+
+/// RoPE tables must be f32 (the kernel reads them as such): anything else is refused by name,
+/// like a row scale whose input has the wrong number of rows.
+#[test]
+fn rope_store_kv_refuses_bad_tables_and_row_scales() {
+    let mut rng = rng("rope_store_kv_refuses_bad_tables_and_row_scales");
+    let dev = kernel_device();
+    let h = Heads {
+        heads: 2,
+        kv_heads: 1,
+        d: 8,
+    };
+    let l = Layout::new(&mut rng, &[(2, 2)], 16);
+    let n = l.num_blocks * l.block_size * h.d;
+    let attempt = |table_dtype: DType, scale_rows: usize| {
+        let mut cache = cache(&(vec![0.0; n], vec![0.0; n]), &l, &h, DType::F32, &dev);
+        let meta = l.meta(&dev);
+        let table = tensor(&[0.5; 16 * 4], [16, 4], table_dtype, &dev);
+        let qkv = tensor(&[1.0; 2 * 32], [2, 32], DType::F32, &dev);
+        let x = tensor(
+            &vec![1.0; scale_rows * 8],
+            [scale_rows, 8],
+            DType::F32,
+            &dev,
+        );
+        let scale = RowScale {
+            input: &x,
+            bias: None,
+            eps: 1e-6,
+        };
+        let rope = Rope {
+            cos: &table,
+            sin: &table,
+        };
+        std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+            cubecl_kernels::rope_store_kv(qkv, h.heads, Some(scale), None, rope, &meta, &mut cache)
+        }))
+        .map(|q| q.dims())
+        .map_err(|e| e.downcast_ref::<String>().cloned().unwrap_or_default())
+    };
+    assert_eq!(attempt(DType::F32, 2), Ok([2, 2, 8]));
+    let err = attempt(DType::BF16, 2).unwrap_err();
+    assert!(err.contains("RoPE table cos has dtype BF16"), "{err}");
+    let err = attempt(DType::F32, 3).unwrap_err();
+    assert!(
+        err.contains("row_scale input has 3 rows, the product 2"),
+        "{err}"
+    );
 }

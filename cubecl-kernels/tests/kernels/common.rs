@@ -98,3 +98,13 @@ pub fn tolerance(dtype: DType) -> f64 {
         _ => 1e-2,
     }
 }
+
+/// `values` (rows of `width`) with row `r` multiplied by `2^(r mod 4 − 1)`: exact in every
+/// dtype, so rows keep their rounding, but each row has its own RMS.
+pub fn row_scaled(mut values: Vec<f32>, width: usize) -> Vec<f32> {
+    for (r, row) in values.chunks_mut(width).enumerate() {
+        let f = (1u32 << (r % 4)) as f32 * 0.5;
+        row.iter_mut().for_each(|v| *v *= f);
+    }
+    values
+}

@@ -160,12 +160,13 @@ fn silu_mul_matches_reference() {
         (5, 600, 896, Some(false), DType::BF16),
         (17, 96, 4200, Some(true), DType::F16),
         (2, 40, 24, None, DType::BF16),
+        (16, 4864, 896, Some(false), DType::BF16),
     ];
     for (t, i, k, scaled, dtype) in cases {
         let what = format!("silu_mul T={t} I={i} K={k} row_scale={scaled:?} {dtype:?}");
         eprintln!("{what}");
         let gu = random(&mut rng, t * 2 * i, 3.0, dtype);
-        let xs = random(&mut rng, t * k, 2.0, dtype);
+        let xs = row_scaled(random(&mut rng, t * k, 2.0, dtype), k);
         let bias = random(&mut rng, 2 * i, 0.5, dtype);
         let run = |dev: &burn::tensor::Device, dt: DType, kernel: bool| {
             if kernel {
