@@ -9,7 +9,7 @@
 //!
 //! Device side: `row_inv_rms`, shared by those kernels.
 
-use burn::tensor::{FloatDType, Tensor};
+use burn::tensor::{DType, FloatDType, Tensor};
 
 pub(crate) use device::row_inv_rms;
 
@@ -44,8 +44,14 @@ impl RowScale<'_> {
         y.cast(dtype)
     }
 
-    /// Checks `input [T, K]` against a product of `rows` rows and `width` columns.
-    pub(crate) fn check(&self, rows: usize, width: usize) -> Result<(), crate::KernelError> {
+    /// Checks `input [T, K]` and `bias [width]` against a product `[rows, width]` of `dtype`
+    /// (the kernels read them as the product's dtype).
+    pub(crate) fn check(
+        &self,
+        rows: usize,
+        width: usize,
+        dtype: DType,
+    ) -> Result<(), crate::KernelError> {
         let [t, _] = self.input.dims();
         if t != rows {
             return Err(crate::KernelError::invalid(format!(
@@ -59,6 +65,16 @@ impl RowScale<'_> {
                 "row_scale bias has shape {:?}; expected [{width}]",
                 b.dims()
             )));
+        }
+        for (name, d) in [
+            ("row_scale input", Some(self.input.dtype())),
+            ("row_scale bias", self.bias.map(|b| b.dtype())),
+        ] {
+            if let Some(d) = d.filter(|&d| d != dtype) {
+                return Err(crate::KernelError::invalid(format!(
+                    "{name} has dtype {d:?}, the product {dtype:?}"
+                )));
+            }
         }
         Ok(())
     }

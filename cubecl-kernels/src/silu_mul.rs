@@ -35,21 +35,10 @@ pub fn silu_mul(gate_up: Tensor<2>, row_scale: Option<RowScale<'_>>) -> Tensor<2
                 "gate_up has odd width {width}; expected [T, 2·I]"
             )));
         }
-        if let Some(s) = &row_scale {
-            s.check(t, width)?;
-            for (name, dtype) in [
-                ("row_scale input", Some(s.input.dtype())),
-                ("row_scale bias", s.bias.map(|b| b.dtype())),
-            ] {
-                if let Some(d) = dtype.filter(|&d| d != gate_up.dtype()) {
-                    return Err(KernelError::invalid(format!(
-                        "{name} has dtype {d:?}, gate_up has {:?}",
-                        gate_up.dtype()
-                    )));
-                }
-            }
+        match &row_scale {
+            Some(s) => s.check(t, width, gate_up.dtype()),
+            None => Ok(()),
         }
-        Ok(())
     };
     check().unwrap_or_else(|e| panic!("silu_mul: {e}"));
     if !crate::runs_kernels(&gate_up) {

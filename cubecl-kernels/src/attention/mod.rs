@@ -123,7 +123,7 @@ pub fn rope_store_kv(
     };
     check()
         .and_then(|()| match &row_scale {
-            Some(s) => s.check(t, width),
+            Some(s) => s.check(t, width, qkv.dtype()),
             None => Ok(()),
         })
         .unwrap_or_else(|e| panic!("rope_store_kv: {e}"));

@@ -188,17 +188,13 @@ pub(crate) mod kernel {
             } else {
                 k_cache[cache_base + j] = F::cast_from(y1);
                 k_cache[cache_base + j + half] = F::cast_from(y2);
+                // Without a row scale `projected` is the value itself (F → f32 → F is exact).
                 let vcol = v_off + kv_head * d;
                 let vrow = t * v.stride(0) + vcol;
-                if comptime!(cfg.row_scale) {
-                    let v1 = projected(v[vrow + j], row_s, row_bias, vcol + j, cfg);
-                    let v2 = projected(v[vrow + j + half], row_s, row_bias, vcol + j + half, cfg);
-                    v_cache[cache_base + j] = F::cast_from(v1);
-                    v_cache[cache_base + j + half] = F::cast_from(v2);
-                } else {
-                    v_cache[cache_base + j] = v[vrow + j];
-                    v_cache[cache_base + j + half] = v[vrow + j + half];
-                }
+                let v1 = projected(v[vrow + j], row_s, row_bias, vcol + j, cfg);
+                let v2 = projected(v[vrow + j + half], row_s, row_bias, vcol + j + half, cfg);
+                v_cache[cache_base + j] = F::cast_from(v1);
+                v_cache[cache_base + j + half] = F::cast_from(v2);
             }
             j += CUBE_DIM_X as usize;
         }

@@ -129,9 +129,9 @@ enum Failure {
 
 /// Writes `y = x · wᵀ (+ bias) (+ add)` on CUDA device `index`. `x [M, K]`, `w [N, K]`,
 /// `y [M, N]`, `add [M, N]` of one dtype (f32, f16 or bf16) with unit inner strides, `bias [N]`.
-/// On failure nothing was
-/// enqueued and the error is returned, so that the caller can take another path; a failure of
-/// cuBLASLt itself also marks the device unusable (with the reason, printed once).
+/// On failure nothing was enqueued and the error is returned, so that the caller can take
+/// another path; a failure of cuBLASLt itself also marks the device unusable (with the reason,
+/// printed once).
 pub(crate) fn gemm(
     index: usize,
     x: &CubeTensor,

@@ -501,7 +501,7 @@ fn plain_store_kv_matches_reference() {
 }
 
 /// RoPE tables must be f32 (the kernel reads them as such): anything else is refused by name,
-/// like a row scale whose input has the wrong number of rows.
+/// like a row scale whose input has the wrong number of rows or the wrong dtype.
 #[test]
 fn rope_store_kv_refuses_bad_tables_and_row_scales() {
     let mut rng = rng("rope_store_kv_refuses_bad_tables_and_row_scales");
@@ -513,7 +513,7 @@ fn rope_store_kv_refuses_bad_tables_and_row_scales() {
     };
     let l = Layout::new(&mut rng, &[(2, 2)], 16);
     let n = l.num_blocks * l.block_size * h.d;
-    let attempt = |table_dtype: DType, scale_rows: usize| {
+    let attempt = |table_dtype: DType, scale_rows: usize, scale_dtype: DType| {
         let mut cache = cache(&(vec![0.0; n], vec![0.0; n]), &l, &h, DType::F32, &dev);
         let meta = l.meta(&dev);
         let table = tensor(&[0.5; 16 * 4], [16, 4], table_dtype, &dev);
@@ -521,7 +521,7 @@ fn rope_store_kv_refuses_bad_tables_and_row_scales() {
         let x = tensor(
             &vec![1.0; scale_rows * 8],
             [scale_rows, 8],
-            DType::F32,
+            scale_dtype,
             &dev,
         );
         let scale = RowScale {
@@ -539,12 +539,17 @@ fn rope_store_kv_refuses_bad_tables_and_row_scales() {
         .map(|q| q.dims())
         .map_err(|e| e.downcast_ref::<String>().cloned().unwrap_or_default())
     };
-    assert_eq!(attempt(DType::F32, 2), Ok([2, 2, 8]));
-    let err = attempt(DType::BF16, 2).unwrap_err();
+    assert_eq!(attempt(DType::F32, 2, DType::F32), Ok([2, 2, 8]));
+    let err = attempt(DType::BF16, 2, DType::F32).unwrap_err();
     assert!(err.contains("RoPE table cos has dtype BF16"), "{err}");
-    let err = attempt(DType::F32, 3).unwrap_err();
+    let err = attempt(DType::F32, 3, DType::F32).unwrap_err();
     assert!(
         err.contains("row_scale input has 3 rows, the product 2"),
+        "{err}"
+    );
+    let err = attempt(DType::F32, 2, DType::BF16).unwrap_err();
+    assert!(
+        err.contains("row_scale input has dtype BF16, the product F32"),
         "{err}"
     );
 }
