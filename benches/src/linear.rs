@@ -1,68 +1,68 @@
-//! The fused RMSNorm + linear op and the plain linear op at Qwen2 shapes, against Burn's own
-//! rms_norm + matmul and matmul alone; `scripts/baselines/torch_linear.py` times cuBLAS
-//! (`F.linear`) on the same shapes, graph against graph, and `compare_linear.py` joins both.
+//! Every product of a Qwen2 block at the model's shapes, in the forms the ops offer, against
+//! Burn's own ops; `scripts/baselines/torch_linear.py` times cuBLAS (`F.linear`) and PyTorch's
+//! composition of the same result on the same shapes, graph against graph, and
+//! `compare_linear.py` joins both.
 
 use burn::tensor::{DType, Device, Distribution, Tensor};
 use cubecl_kernels::rms_norm_linear::reference;
+use cubecl_kernels::{RowScale, fold_norm_gain};
 use model_qwen2::Qwen2Config;
 use serde_json::json;
 
 use crate::report::Report;
 use crate::timing::graph_us;
 
-/// One weight matrix of a model: `W [n, k]`, preceded by an RMSNorm when `fused`.
+const EPS: f64 = 1e-6;
+
+/// How a product is computed.
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum Form {
+    /// The standalone fused op `rms_norm_linear(x, g, W, b)`.
+    Norm,
+    /// `linear(x, W)`.
+    Plain,
+    /// `linear_add(x, W, residual)`: the residual connection in the product (the model's o_proj
+    /// and down).
+    Residual,
+    /// The model's gate/up: the norm's gain folded into `W`, `linear(x, W·diag g)`, then
+    /// `silu_mul` completing the deferred row scale → `[M, N / 2]`.
+    Activated,
+}
+
+/// One weight matrix of a model, `W [n, k]`, in one form.
 struct Shape {
     name: &'static str,
     k: usize,
     n: usize,
-    fused: bool,
+    form: Form,
     bias: bool,
 }
 
 fn shapes(c: &Qwen2Config) -> Vec<Shape> {
     let qkv = c.q_size() + 2 * c.kv_size();
+    let (h, i) = (c.hidden_size, c.intermediate_size);
+    let shape = |name, k, n, form, bias| Shape {
+        name,
+        k,
+        n,
+        form,
+        bias,
+    };
     vec![
-        Shape {
-            name: "qkv",
-            k: c.hidden_size,
-            n: qkv,
-            fused: true,
-            bias: c.attention_bias,
-        },
-        Shape {
-            name: "gate_up",
-            k: c.hidden_size,
-            n: 2 * c.intermediate_size,
-            fused: true,
-            bias: false,
-        },
-        Shape {
-            name: "o_proj",
-            k: c.q_size(),
-            n: c.hidden_size,
-            fused: false,
-            bias: false,
-        },
-        Shape {
-            name: "down",
-            k: c.intermediate_size,
-            n: c.hidden_size,
-            fused: false,
-            bias: false,
-        },
-        Shape {
-            name: "lm_head",
-            k: c.hidden_size,
-            n: c.vocab_size,
-            fused: true,
-            bias: false,
-        },
+        shape("qkv", h, qkv, Form::Norm, c.attention_bias),
+        shape("gate_up", h, 2 * i, Form::Norm, false),
+        shape("o_proj", c.q_size(), h, Form::Plain, false),
+        shape("down", i, h, Form::Plain, false),
+        shape("lm_head", h, c.vocab_size, Form::Norm, false),
+        shape("o_proj+residual", c.q_size(), h, Form::Residual, false),
+        shape("down+residual", i, h, Form::Residual, false),
+        shape("gate_up+silu_mul", h, 2 * i, Form::Activated, false),
     ]
 }
 
-/// Times every product of `config` at every `m` (the LM head fused with the final norm, as the
-/// model runs it). With `baselines`, also Burn's own ops, and the fused op is checked against
-/// the reference (relative error in the table; NaN without).
+/// Times every product of `config` at every `m`. With `baselines`, also Burn's own ops for the
+/// same result, and ours is checked against the plain-Burn reference (relative error in the
+/// table; NaN without).
 pub fn run(
     model: &str,
     config: &Qwen2Config,
@@ -96,30 +96,43 @@ pub fn run(
     for s in shapes(config) {
         let w = normal([s.n, s.k], 1.0 / (s.k as f64).sqrt());
         let g = Tensor::<1>::random([s.k], Distribution::Uniform(0.5, 1.5), (device, dtype));
+        let folded = fold_norm_gain(w.clone(), g.clone());
         let b = s
             .bias
             .then(|| Tensor::<1>::random([s.n], Distribution::Normal(0.0, 0.1), (device, dtype)));
         for &m in ms {
             let x = normal([m, s.k], 1.0);
-            let ours = || {
-                if s.fused {
-                    cubecl_kernels::rms_norm_linear(
-                        x.clone(),
-                        g.clone(),
-                        w.clone(),
-                        b.clone(),
-                        1e-6,
-                    )
-                } else {
-                    cubecl_kernels::linear(x.clone(), w.clone(), b.clone())
+            let residual = normal([m, s.n], 1.0);
+            let ours = || match s.form {
+                Form::Norm => {
+                    cubecl_kernels::rms_norm_linear(x.clone(), g.clone(), w.clone(), b.clone(), EPS)
+                }
+                Form::Plain => cubecl_kernels::linear(x.clone(), w.clone(), b.clone()),
+                Form::Residual => {
+                    cubecl_kernels::linear_add(x.clone(), w.clone(), b.clone(), residual.clone())
+                }
+                Form::Activated => {
+                    let row_scale = RowScale {
+                        input: &x,
+                        bias: None,
+                        eps: EPS,
+                    };
+                    let z = cubecl_kernels::linear(x.clone(), folded.clone(), None);
+                    cubecl_kernels::silu_mul(z, Some(row_scale))
                 }
             };
-            let unfused = || {
-                if s.fused {
-                    reference::rms_norm_linear(x.clone(), g.clone(), w.clone(), b.clone(), 1e-6)
-                } else {
-                    reference::linear(x.clone(), w.clone(), b.clone())
+            let unfused = || match s.form {
+                Form::Norm => {
+                    reference::rms_norm_linear(x.clone(), g.clone(), w.clone(), b.clone(), EPS)
                 }
+                Form::Plain => reference::linear(x.clone(), w.clone(), b.clone()),
+                Form::Residual => {
+                    reference::linear(x.clone(), w.clone(), b.clone()) + residual.clone()
+                }
+                Form::Activated => cubecl_kernels::silu_mul::reference(
+                    reference::rms_norm_linear(x.clone(), g.clone(), w.clone(), None, EPS),
+                    None,
+                ),
             };
             let matmul = || x.clone().matmul(w.clone().transpose());
             let err = if baselines {

@@ -4,8 +4,14 @@
 //! Memory layout: `gate_up [T, 2·I]` row-major (gate in columns `0..I`, up in `I..2·I`), unit
 //! inner stride; `x [T, K]` (the row-scale input); `bias [2·I]`; output `[T, I]`.
 //!
-//! Launch geometry: one cube per row `t`. With a row scale the cube first reduces the row of `x`
-//! ([`row_inv_rms`]); then its units stride over the row's `I` outputs in vectors of `NV`.
+//! Launch geometry: cubes `(t, chunk)`, each covering `chunk_vecs` vectors of `NV` outputs of row
+//! `t`; unit `u` takes vectors `u + j·cube_dim` of the chunk. A unit issues the gate and up loads
+//! of its first `held` vectors before anything else; with a row scale the cube then reduces the
+//! row of `x` ([`row_inv_rms`]; every chunk of a row recomputes it) while those loads are in
+//! flight, and the unit strides over the rest of its chunk. With at least two rows per
+//! multiprocessor a row is one chunk (`held` = 4); with fewer rows the chunks are
+//! `cube_dim · held` vectors, `held` the largest of 4, 2, 1 that still gives two cubes per
+//! multiprocessor, so that a decode step's few rows spread over the device.
 
 use burn::backend::Dispatch;
 use burn::backend::cubecl::dtype_to_storage_type;
@@ -98,7 +104,10 @@ mod kernel {
     #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
     pub struct SiluMulConfig {
         pub flags: SiluMulFlags,
+        /// Units per cube.
         pub cube_dim: usize,
+        /// Output vectors per unit, loaded before any is used.
+        pub held: usize,
         pub use_plane: bool,
     }
 
@@ -111,40 +120,81 @@ mod kernel {
         bias: &Tensor<Vector<F, NV>>,
         out: &mut Tensor<Vector<F, NV>>,
         eps: f32,
+        chunk_vecs: usize,
         #[comptime] cfg: SiluMulConfig,
         #[define(F)] _dtype: ElemType,
     ) {
         let row = CUBE_POS_X as usize;
+        let nv = out.vector_size();
+        let i_vecs = out.shape(1) / nv;
+        let g_at = row * (gate_up.stride(0) / nv);
+        let o_at = row * (out.stride(0) / nv);
+        let start = CUBE_POS_Y as usize * chunk_vecs;
+        let end = min(start + chunk_vecs, i_vecs);
+        let first = start + UNIT_POS_X as usize;
+        let mut gates = Array::<Vector<F, NV>>::new(cfg.held);
+        let mut ups = Array::<Vector<F, NV>>::new(cfg.held);
+        #[unroll]
+        for j in 0..cfg.held {
+            let i = first + j * cfg.cube_dim;
+            let mut g = Vector::<F, NV>::new(F::new(0.0));
+            let mut u = Vector::<F, NV>::new(F::new(0.0));
+            if i < end {
+                g = gate_up[g_at + i];
+                u = gate_up[g_at + i_vecs + i];
+            }
+            gates[j] = g;
+            ups[j] = u;
+        }
         let mut scale = 1.0f32;
         if comptime!(cfg.flags.scaled) {
             let mut scratch = Shared::<[f32]>::new_slice(cfg.cube_dim);
             scale = row_inv_rms(x, row, eps, &mut scratch, cfg.use_plane);
         }
-        let nv = out.vector_size();
-        let i_vecs = out.shape(1) / nv;
-        let g_at = row * (gate_up.stride(0) / nv);
-        let o_at = row * (out.stride(0) / nv);
-        let s = Vector::<f32, NV>::new(scale);
-        let one = Vector::<f32, NV>::new(1.0);
-        let mut i = UNIT_POS_X as usize;
-        while i < i_vecs {
-            let mut g = Vector::<f32, NV>::cast_from(gate_up[g_at + i]);
-            let mut u = Vector::<f32, NV>::cast_from(gate_up[g_at + i_vecs + i]);
-            if comptime!(cfg.flags.scaled) {
-                g *= s;
-                u *= s;
-                if comptime!(cfg.flags.has_bias) {
-                    g += Vector::<f32, NV>::cast_from(bias[i]);
-                    u += Vector::<f32, NV>::cast_from(bias[i_vecs + i]);
-                }
-                // Rounded once, like the undeferred product's output.
-                g = Vector::<f32, NV>::cast_from(Vector::<F, NV>::cast_from(g));
-                u = Vector::<f32, NV>::cast_from(Vector::<F, NV>::cast_from(u));
+        #[unroll]
+        for j in 0..cfg.held {
+            let i = first + j * cfg.cube_dim;
+            if i < end {
+                out[o_at + i] = gated::<F, NV>(gates[j], ups[j], bias, i, i_vecs, scale, cfg.flags);
             }
-            let act = g / (one + Vector::exp(Vector::<f32, NV>::new(0.0) - g));
-            out[o_at + i] = Vector::<F, NV>::cast_from(act * u);
-            i += CUBE_DIM_X as usize;
         }
+        let mut i = first + comptime!(cfg.held * cfg.cube_dim);
+        while i < end {
+            let (g, u) = (gate_up[g_at + i], gate_up[g_at + i_vecs + i]);
+            out[o_at + i] = gated::<F, NV>(g, u, bias, i, i_vecs, scale, cfg.flags);
+            i += cfg.cube_dim;
+        }
+    }
+
+    /// `silu(g')·u'` of one vector pair, `g' = scale·g + bias[i]` and `u' = scale·u +
+    /// bias[I/NV + i]` with a row scale (rounded to `F` as the undeferred product would be).
+    #[cube]
+    #[allow(clippy::too_many_arguments)]
+    fn gated<F: Float, NV: Size>(
+        g: Vector<F, NV>,
+        u: Vector<F, NV>,
+        bias: &Tensor<Vector<F, NV>>,
+        i: usize,
+        i_vecs: usize,
+        scale: f32,
+        #[comptime] flags: SiluMulFlags,
+    ) -> Vector<F, NV> {
+        let mut g = Vector::<f32, NV>::cast_from(g);
+        let mut u = Vector::<f32, NV>::cast_from(u);
+        if comptime!(flags.scaled) {
+            let s = Vector::<f32, NV>::new(scale);
+            g *= s;
+            u *= s;
+            if comptime!(flags.has_bias) {
+                g += Vector::<f32, NV>::cast_from(bias[i]);
+                u += Vector::<f32, NV>::cast_from(bias[i_vecs + i]);
+            }
+            // Rounded once, like the undeferred product's output.
+            g = Vector::<f32, NV>::cast_from(Vector::<F, NV>::cast_from(g));
+            u = Vector::<f32, NV>::cast_from(Vector::<F, NV>::cast_from(u));
+        }
+        let act = g / (Vector::<f32, NV>::new(1.0) + Vector::exp(Vector::<f32, NV>::new(0.0) - g));
+        Vector::<F, NV>::cast_from(act * u)
     }
 }
 
@@ -180,18 +230,31 @@ pub(crate) fn launch(
     } else {
         1
     };
-    let cube_dim = caps.cube_units.min((i / nv).next_power_of_two()).max(1);
+    let i_vecs = i / nv;
+    let cube_dim = caps.cube_units.min(i_vecs.next_power_of_two()).max(1);
+    let enough = 2 * caps.multiprocessors;
+    let (held, chunk_vecs) = if t >= enough {
+        (4, i_vecs)
+    } else {
+        let held = [4, 2]
+            .into_iter()
+            .find(|&h| t * i_vecs.div_ceil(cube_dim * h) >= enough)
+            .unwrap_or(1);
+        (held, cube_dim * held)
+    };
     let cfg = SiluMulConfig {
         flags,
         cube_dim,
+        held,
         use_plane: caps.plane_ops && cube_dim.is_multiple_of(caps.plane_size),
     };
-    // SAFETY: one cube per row below `T`; vector indices stay below the row's `I / NV` (and
-    // `K / XV` for `x`), the widths and row pitches being multiples of the vectors.
+    // SAFETY: cubes `(row, chunk)` with rows below `T`; vector indices are checked against the
+    // row's `I / NV` (and stay below `K / XV` for `x`), the widths and row pitches being
+    // multiples of the vectors.
     unsafe {
         silu_mul_kernel::launch_unchecked(
             &out.client,
-            CubeCount::Static(t as u32, 1, 1),
+            CubeCount::Static(t as u32, i_vecs.div_ceil(chunk_vecs) as u32, 1),
             CubeDim::new_1d(cube_dim as u32),
             nv,
             xv,
@@ -200,6 +263,7 @@ pub(crate) fn launch(
             bias.into_tensor_arg(),
             out.clone().into_tensor_arg(),
             eps,
+            chunk_vecs,
             cfg,
             dtype_to_storage_type(dtype),
         );

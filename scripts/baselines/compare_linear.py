@@ -1,11 +1,17 @@
 """Joins `benches linear --out ours.json` with `torch_linear.py` CSV: one Markdown table per
-dtype (ours, cuBLAS `F.linear`, ratio; for the fused products also PyTorch's `F.rms_norm` +
-`F.linear` and that ratio; route) and the worst ratios per M.
+dtype (ours, cuBLAS `F.linear` on the same shape, ratio; PyTorch's composition of the same
+result and that ratio; route) and the worst ratios per M for each form of product.
 
 Usage: python3 compare_linear.py ours.json torch.csv
 """
 import csv, json, statistics, sys
 from collections import defaultdict
+
+# Form of each op, as benches/src/linear.rs names them.
+FORMS = {"qkv": "fused op", "gate_up": "fused op", "lm_head": "fused op",
+         "o_proj": "plain", "down": "plain",
+         "o_proj+residual": "+residual", "down+residual": "+residual",
+         "gate_up+silu_mul": "model's gate_up"}
 
 ours = {}
 for table in json.load(open(sys.argv[1])):
@@ -18,29 +24,33 @@ with open(sys.argv[2]) as f:
     for row in csv.reader(f):
         if len(row) == 9 and row[0] != "model":
             torch[(row[0], row[1], row[2], int(row[3]))] = (float(row[6]), float(row[8]))
-worst = defaultdict(lambda: [0.0, 0.0, 0.0])
-plain_ratios = defaultdict(list)
+ratios = defaultdict(list)  # (dtype, M, form) -> [(vs F.linear, vs composition)]
 for dtype in sorted({k[2] for k in ours}):
     print(f"\n### {dtype}\n")
-    print("| model | op | M | K | N | route | ours µs | F.linear µs | ratio | rms_norm + F.linear µs | ratio |")
+    print("| model | op | M | K | N | route | ours µs | F.linear µs | ratio | PyTorch same result µs | ratio |")
     print("|---|---|---:|---:|---:|---|---:|---:|---:|---:|---:|")
     for key in sorted(k for k in ours if k[2] == dtype):
         r, t = ours[key], torch.get(key)
         if t is None:
             continue
-        ratio, fused = r["ours_us"] / t[0], r["ours_us"] / t[1]
-        w = worst[(dtype, key[3])]
-        if t[1] == t[1]:  # a fused product
-            w[1], w[2] = max(w[1], ratio), max(w[2], fused)
-        else:
-            w[0] = max(w[0], ratio)
-            plain_ratios[(dtype, key[3])].append(ratio)
+        ratio, same = r["ours_us"] / t[0], r["ours_us"] / t[1]
+        ratios[(dtype, key[3], FORMS.get(key[1], key[1]))].append((ratio, same))
         print(f"| {key[0]} | {key[1]} | {key[3]} | {r['K']} | {r['N']} | {r['route']} | "
-              f"{r['ours_us']:.1f} | {t[0]:.1f} | {ratio:.2f} | {t[1]:.1f} | {fused:.2f} |")
-print("\nWorst ratio over the three models, per M: plain products (o_proj, down) against F.linear;"
-      " fused products (qkv, gate_up, lm_head) against F.linear and against rms_norm + F.linear.\n")
-print("| dtype | M | plain / F.linear (median) | fused / F.linear | fused / (rms_norm + F.linear) |")
-print("|---|---:|---:|---:|---:|")
-for (dtype, m), v in sorted(worst.items()):
-    med = statistics.median(plain_ratios[(dtype, m)]) if plain_ratios[(dtype, m)] else float("nan")
-    print(f"| {dtype} | {m} | {v[0]:.2f} ({med:.2f}) | {v[1]:.2f} | {v[2]:.2f} |")
+              f"{r['ours_us']:.1f} | {t[0]:.1f} | {ratio:.2f} | {t[1]:.1f} | {same:.2f} |")
+forms = [f for f in dict.fromkeys(FORMS.values()) if any(k[2] == f for k in ratios)]
+print("\nWorst (median) ratio over the models per M and form: against F.linear on the same shape;"
+      " in brackets, worst against PyTorch computing the same result (fused op: F.rms_norm +"
+      " F.linear; +residual: F.linear + add; model's gate_up: F.rms_norm + F.linear + silu·mul).\n")
+print("| dtype | M | " + " | ".join(forms) + " |")
+print("|---|---:|" + "---:|" * len(forms))
+for dtype, m in sorted({(k[0], k[1]) for k in ratios}):
+    cells = []
+    for form in forms:
+        v = ratios.get((dtype, m, form))
+        if not v:
+            cells.append("")
+            continue
+        worst, med = max(a for a, _ in v), statistics.median(a for a, _ in v)
+        same = [b for _, b in v if b == b]
+        cells.append(f"{worst:.2f} ({med:.2f})" + (f" [{max(same):.2f}]" if same else ""))
+    print(f"| {dtype} | {m} | " + " | ".join(cells) + " |")

@@ -15,12 +15,14 @@ if [ -x /tmp/bin/kernels ]; then
   KERNEL_TEST_DEVICE=cuda timeout 240 /tmp/bin/kernels 2>&1 | tee "$OUT/kernel_tests.log" | grep -E "^test |test result|panicked|route=Cublas" | head -40
   echo "== kernel tests on CUDA, linear, BURN_NANOVLLM_CUBLAS=0 (cubek)"
   BURN_NANOVLLM_CUBLAS=0 KERNEL_TEST_DEVICE=cuda timeout 120 /tmp/bin/kernels linear 2>&1 | tee "$OUT/kernel_tests_cubek.log" | grep -E "^test |test result|panicked"
+  echo "== kernel tests on CUDA, prefill attention, BURN_NANOVLLM_PREFILL_CMMA=1 (portable cmma)"
+  BURN_NANOVLLM_PREFILL_CMMA=1 KERNEL_TEST_DEVICE=cuda timeout 120 /tmp/bin/kernels prefill 2>&1 | tee "$OUT/kernel_tests_cmma.log" | grep -E "^test |test result|panicked"
 fi
-if [ -x /tmp/bin/benches ]; then
+if [ -x /tmp/bin/benches ] && [ -z "${NO_LINEAR:-}" ]; then
   echo "== benches linear (ours)"
-  timeout 200 /tmp/bin/benches linear --device cuda --ours-only --ms "$MS" --dtypes "$DTYPES" --out "$OUT/linear.json" > "$OUT/linear.log" 2>&1; tail -3 "$OUT/linear.log"
+  timeout 300 /tmp/bin/benches linear --device cuda --ours-only --ms "$MS" --dtypes "$DTYPES" --out "$OUT/linear.json" > "$OUT/linear.log" 2>&1; tail -3 "$OUT/linear.log"
   echo "== torch_linear.py (cuBLAS)"
-  PYTHONUNBUFFERED=1 timeout 150 python3 scripts/baselines/torch_linear.py --ms "$MS" --dtypes "$DTYPES" > "$OUT/torch_linear.csv" 2>&1; tail -2 "$OUT/torch_linear.csv"
+  PYTHONUNBUFFERED=1 timeout 300 python3 scripts/baselines/torch_linear.py --ms "$MS" --dtypes "$DTYPES" > "$OUT/torch_linear.csv" 2>&1; tail -2 "$OUT/torch_linear.csv"
   python3 scripts/baselines/compare_linear.py "$OUT/linear.json" "$OUT/torch_linear.csv" | tee "$OUT/linear_compare.md" | tail -20
   echo "== cuBLASLt at M = 1..8 instead of the skinny kernel (BURN_NANOVLLM_SKINNY_MAX_M=0)"
   BURN_NANOVLLM_SKINNY_MAX_M=0 timeout 60 /tmp/bin/benches linear --device cuda --ours-only --ms 1,2,4,8 --dtypes bf16 --out "$OUT/linear_small_cublas.json" > "$OUT/linear_small_cublas.log" 2>&1

@@ -147,7 +147,9 @@ fn fused_ops_match_reference_half_precision() {
 }
 
 /// `silu(gate)·up` with and without a deferred row scale (and bias) against the plain-Burn
-/// definition: odd and vector-unfriendly widths, one and many rows, long input rows.
+/// definition: odd and vector-unfriendly widths, one and many rows, long input rows; rows split
+/// over several cubes and whole rows per cube (on an H100: `T` = 16 and 100 split with 1 and 2
+/// vectors per unit, `T` = 300 whole rows of 608 vectors).
 #[test]
 fn silu_mul_matches_reference() {
     use cubecl_kernels::{RowScale, silu_mul};
@@ -161,6 +163,8 @@ fn silu_mul_matches_reference() {
         (17, 96, 4200, Some(true), DType::F16),
         (2, 40, 24, None, DType::BF16),
         (16, 4864, 896, Some(false), DType::BF16),
+        (100, 4864, 896, Some(true), DType::BF16),
+        (300, 4864, 128, Some(false), DType::F16),
     ];
     for (t, i, k, scaled, dtype) in cases {
         let what = format!("silu_mul T={t} I={i} K={k} row_scale={scaled:?} {dtype:?}");

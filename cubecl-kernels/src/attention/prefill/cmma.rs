@@ -177,28 +177,18 @@ pub fn paged_prefill_cmma<F: Float, NV: Size>(
                 cmma::MatrixLayout::Undefined,
                 0.0,
             );
-            #[unroll]
-            for kk in 0..dfrags {
-                let a = cmma::Matrix::<F>::from_slice(
-                    cmma::MatrixIdent::A,
-                    16usize,
-                    16usize,
-                    16usize,
-                    cmma::MatrixLayout::RowMajor,
-                    &q_s[row0 * d + kk * 16..q_elems],
-                    d as u32,
-                );
-                let b = cmma::Matrix::<F>::from_slice(
-                    cmma::MatrixIdent::B,
-                    16usize,
-                    16usize,
-                    16usize,
-                    cmma::MatrixLayout::ColMajor,
-                    &k_s[n * 16 * d + kk * 16..kv_elems],
-                    d as u32,
-                );
-                cmma::execute(&a, &b, &s, &s);
-            }
+            accumulate(
+                &s,
+                &q_s,
+                row0 * d,
+                d,
+                &k_s,
+                n * 16 * d,
+                16,
+                d,
+                cmma::MatrixLayout::ColMajor,
+                dfrags,
+            );
             cmma::store(
                 &mut s_s[row0 * bk + n * 16..s_elems],
                 &s,
@@ -259,28 +249,18 @@ pub fn paged_prefill_cmma<F: Float, NV: Size>(
                 &o_s[row0 * d + j * 16..o_elems],
                 d as u32,
             );
-            #[unroll]
-            for kk in 0..comptime!(cfg.block_k / 16) {
-                let a = cmma::Matrix::<F>::from_slice(
-                    cmma::MatrixIdent::A,
-                    16usize,
-                    16usize,
-                    16usize,
-                    cmma::MatrixLayout::RowMajor,
-                    &p_s[row0 * bk + kk * 16..p_elems],
-                    bk as u32,
-                );
-                let b = cmma::Matrix::<F>::from_slice(
-                    cmma::MatrixIdent::B,
-                    16usize,
-                    16usize,
-                    16usize,
-                    cmma::MatrixLayout::RowMajor,
-                    &v_s[kk * 16 * d + j * 16..kv_elems],
-                    d as u32,
-                );
-                cmma::execute(&a, &b, &o, &o);
-            }
+            accumulate(
+                &o,
+                &p_s,
+                row0 * bk,
+                bk,
+                &v_s,
+                j * 16,
+                16 * d,
+                d,
+                cmma::MatrixLayout::RowMajor,
+                comptime!(cfg.block_k / 16),
+            );
             cmma::store(
                 &mut o_s[row0 * d + j * 16..o_elems],
                 &o,
@@ -306,5 +286,46 @@ pub fn paged_prefill_cmma<F: Float, NV: Size>(
             }
             out[out_row + cv] = val;
         }
+    }
+}
+
+/// `acc += Σ_{s < steps} A_s · B_s` over 16×16×16 fragments in shared memory: `A_s` starts at
+/// `a[a_at + 16·s]` (row-major, row pitch `lda`), `B_s` at `b[b_at + s·b_step]` (pitch `ldb`,
+/// layout `b_layout`).
+#[cube]
+#[allow(clippy::too_many_arguments)]
+fn accumulate<F: Float>(
+    acc: &cmma::Matrix<f32>,
+    a: &Shared<[F]>,
+    a_at: usize,
+    lda: usize,
+    b: &Shared<[F]>,
+    b_at: usize,
+    b_step: usize,
+    ldb: usize,
+    #[comptime] b_layout: cmma::MatrixLayout,
+    #[comptime] steps: usize,
+) {
+    #[unroll]
+    for s in 0..steps {
+        let a_frag = cmma::Matrix::<F>::from_slice(
+            cmma::MatrixIdent::A,
+            16usize,
+            16usize,
+            16usize,
+            cmma::MatrixLayout::RowMajor,
+            &a[a_at + s * 16..a.len()],
+            lda as u32,
+        );
+        let b_frag = cmma::Matrix::<F>::from_slice(
+            cmma::MatrixIdent::B,
+            16usize,
+            16usize,
+            16usize,
+            b_layout,
+            &b[b_at + s * b_step..b.len()],
+            ldb as u32,
+        );
+        cmma::execute(&a_frag, &b_frag, acc, acc);
     }
 }
