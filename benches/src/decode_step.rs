@@ -2,14 +2,18 @@
 //! down; then norm and LM head), the same skeleton as `scripts/baselines/torch_decode_step.py`,
 //! with our fused ops and with Burn's, eager and replayed as a CUDA graph; and with paged
 //! attention (RoPE + KV write, decode attention over a 1,024-token context per row) in each
-//! layer, replayed as a graph, twice: with the fused norm + linear ops, and as the model runs it
-//! (norm gains folded into the weights, the row scale deferred into the KV write and the gated
-//! activation, residual adds in o_proj and down_proj; `model_qwen2::layers::Qwen2DecoderLayer`).
+//! layer, replayed as a graph, twice: with the fused norm + linear ops, and through the model's
+//! own layers (`model_qwen2::layers::Qwen2DecoderLayer`: norm gains folded into the weights, the
+//! row scale deferred into the KV write and the gated activation, residual adds in o_proj and
+//! down_proj) built from the same weights.
 
 use burn::tensor::{DType, Device, Distribution, Tensor, activation::silu};
 use cubecl_kernels::rms_norm_linear::reference;
-use cubecl_kernels::{AttentionMetadata, LayerKvCache, Rope, RowScale};
+use cubecl_kernels::{AttentionMetadata, LayerKvCache};
 use model_qwen2::Qwen2Config;
+use model_qwen2::layers::{
+    Linear, Qwen2Attention, Qwen2DecoderLayer, Qwen2Mlp, RmsNorm, RotaryEmbedding,
+};
 use serde_json::json;
 
 use crate::report::Report;
@@ -22,9 +26,6 @@ struct Layer {
     g2: Tensor<1>,
     wgu: Tensor<2>,
     wd: Tensor<2>,
-    /// `wqkv` and `wgu` with `g1`, `g2` folded in (the deferred-norm step).
-    wqkv_folded: Tensor<2>,
-    wgu_folded: Tensor<2>,
 }
 
 struct Weights {
@@ -42,18 +43,13 @@ fn weights(c: &Qwen2Config, device: &Device, dtype: DType) -> Weights {
     let g = || Tensor::<1>::random([h], Distribution::Uniform(0.5, 1.5), (device, dtype));
     let qkv = c.q_size() + 2 * c.kv_size();
     let layers = (0..c.num_hidden_layers)
-        .map(|_| {
-            let (g1, wqkv, g2, wgu) = (g(), w([qkv, h]), g(), w([2 * i, h]));
-            Layer {
-                wqkv_folded: cubecl_kernels::fold_norm_gain(wqkv.clone(), g1.clone()),
-                wgu_folded: cubecl_kernels::fold_norm_gain(wgu.clone(), g2.clone()),
-                g1,
-                wqkv,
-                wo: w([h, h]),
-                g2,
-                wgu,
-                wd: w([h, i]),
-            }
+        .map(|_| Layer {
+            g1: g(),
+            wqkv: w([qkv, h]),
+            wo: w([h, h]),
+            g2: g(),
+            wgu: w([2 * i, h]),
+            wd: w([h, i]),
         })
         .collect();
     Weights {
@@ -81,8 +77,6 @@ impl Weights {
                     g2: c1(&l.g2),
                     wgu: c2(&l.wgu),
                     wd: c2(&l.wd),
-                    wqkv_folded: c2(&l.wqkv_folded),
-                    wgu_folded: c2(&l.wgu_folded),
                 })
                 .collect(),
             gf: c1(&self.gf),
@@ -91,19 +85,48 @@ impl Weights {
             inter: self.inter,
         }
     }
+
+    /// The model's decoder layers over these weights (norm gains folded in as at load).
+    fn model_layers(&self, c: &Qwen2Config) -> Vec<Qwen2DecoderLayer> {
+        self.layers
+            .iter()
+            .map(|l| {
+                Qwen2DecoderLayer {
+                    input_layernorm: RmsNorm::new(l.g1.clone(), EPS),
+                    self_attn: Qwen2Attention {
+                        qkv_proj: Linear::new(l.wqkv.clone(), None),
+                        o_proj: Linear::new(l.wo.clone(), None),
+                        q_norm: None,
+                        k_norm: None,
+                        num_heads: c.num_attention_heads,
+                        num_kv_heads: c.num_key_value_heads,
+                        head_dim: c.head_dim,
+                    },
+                    post_attention_layernorm: RmsNorm::new(l.g2.clone(), EPS),
+                    mlp: Qwen2Mlp {
+                        gate_up_proj: Linear::new(l.wgu.clone(), None),
+                        down_proj: Linear::new(l.wd.clone(), None),
+                    },
+                }
+                .fold_norm_gains()
+            })
+            .collect()
+    }
 }
+
+/// RMSNorm epsilon of every norm of the step.
+const EPS: f64 = 1e-6;
 
 /// Context of every row in the step with attention.
 const ATTENTION_CONTEXT: usize = 1024;
 
 /// Paged attention of a decode step: one cache shared by the layers (each layer reads and
 /// writes as many bytes as with its own), `rows` sequences of `ATTENTION_CONTEXT` tokens in
-/// shuffled-free consecutive blocks, RoPE tables.
+/// shuffled-free consecutive blocks, the model's RoPE tables.
 struct Attention {
     cache: LayerKvCache,
     meta: AttentionMetadata,
-    cos: Tensor<2>,
-    sin: Tensor<2>,
+    rotary: RotaryEmbedding,
     heads: usize,
     head_dim: usize,
 }
@@ -125,18 +148,10 @@ impl Attention {
         .expect("attention metadata");
         let shape = [rows * per_seq, BLOCK, c.num_key_value_heads, c.head_dim];
         let kv = || Tensor::<4>::random(shape, Distribution::Normal(0.0, 1.0), (device, dtype));
-        let table = || {
-            Tensor::<2>::random(
-                [ATTENTION_CONTEXT + 1, c.head_dim / 2],
-                Distribution::Uniform(-1.0, 1.0),
-                (device, DType::F32),
-            )
-        };
         Self {
             cache: LayerKvCache { k: kv(), v: kv() },
             meta,
-            cos: table(),
-            sin: table(),
+            rotary: RotaryEmbedding::new(c.head_dim, ATTENTION_CONTEXT + 1, c.rope_theta, device),
             heads: c.num_attention_heads,
             head_dim: c.head_dim,
         }
@@ -150,27 +165,21 @@ impl Attention {
                 v: self.cache.v.clone().cast(dtype),
             },
             meta: self.meta.clone(),
-            cos: self.cos.clone(),
-            sin: self.sin.clone(),
+            rotary: self.rotary.clone(),
             heads: self.heads,
             head_dim: self.head_dim,
         }
     }
 
-    /// `qkv [M, (heads + 2·kv_heads)·D]` (unscaled with `row_scale`) → attention output
-    /// `[M, heads·D]`.
-    fn attend(&mut self, qkv: Tensor<2>, row_scale: Option<RowScale<'_>>) -> Tensor<2> {
+    /// `qkv [M, (heads + 2·kv_heads)·D]` → attention output `[M, heads·D]`.
+    fn attend(&mut self, qkv: Tensor<2>) -> Tensor<2> {
         let m = qkv.dims()[0];
-        let rope = Rope {
-            cos: &self.cos,
-            sin: &self.sin,
-        };
         let q = cubecl_kernels::rope_store_kv(
             qkv,
             self.heads,
-            row_scale,
             None,
-            rope,
+            None,
+            self.rotary.rope(),
             &self.meta,
             &mut self.cache,
         );
@@ -188,32 +197,27 @@ fn step_ours(w: &Weights, x: &Tensor<2>, mut attention: Option<&mut Attention>) 
     let mut res = x.clone();
     for l in &w.layers {
         let (qkv, r) = match out.take() {
-            Some(o) => cubecl_kernels::add_rms_norm_linear(
-                o,
-                res,
-                l.g1.clone(),
-                l.wqkv.clone(),
-                None,
-                1e-6,
-            ),
+            Some(o) => {
+                cubecl_kernels::add_rms_norm_linear(o, res, l.g1.clone(), l.wqkv.clone(), None, EPS)
+            }
             None => (
                 cubecl_kernels::rms_norm_linear(
                     res.clone(),
                     l.g1.clone(),
                     l.wqkv.clone(),
                     None,
-                    1e-6,
+                    EPS,
                 ),
                 res,
             ),
         };
         let attn = match attention.as_deref_mut() {
-            Some(a) => a.attend(qkv, None),
+            Some(a) => a.attend(qkv),
             None => qkv.slice_dim(1, 0..h),
         };
         let o = cubecl_kernels::linear(attn, l.wo.clone(), None);
         let (gu, r) =
-            cubecl_kernels::add_rms_norm_linear(o, r, l.g2.clone(), l.wgu.clone(), None, 1e-6);
+            cubecl_kernels::add_rms_norm_linear(o, r, l.g2.clone(), l.wgu.clone(), None, EPS);
         let act = silu(gu.clone().slice_dim(1, 0..i)) * gu.slice_dim(1, i..2 * i);
         out = Some(cubecl_kernels::linear(act, l.wd.clone(), None));
         res = r;
@@ -224,32 +228,24 @@ fn step_ours(w: &Weights, x: &Tensor<2>, mut attention: Option<&mut Attention>) 
         w.gf.clone(),
         w.head.clone(),
         None,
-        1e-6,
+        EPS,
     )
     .0
 }
 
-/// The model's layer structure with attention: products of the raw residual stream with the
-/// norm gains folded in, the norms' row scales applied by the KV write and the activation, the
-/// residual adds in o_proj's and down_proj's products.
-fn step_deferred(w: &Weights, x: &Tensor<2>, attention: &mut Attention) -> Tensor<2> {
-    fn scale(h: &Tensor<2>) -> RowScale<'_> {
-        RowScale {
-            input: h,
-            bias: None,
-            eps: 1e-6,
-        }
-    }
+/// The model's own decoder layers with attention, then the final norm + LM head as the model
+/// runs them.
+fn step_model(
+    layers: &[Qwen2DecoderLayer],
+    w: &Weights,
+    x: &Tensor<2>,
+    attention: &mut Attention,
+) -> Tensor<2> {
     let mut h = x.clone();
-    for l in &w.layers {
-        let qkv = cubecl_kernels::linear(h.clone(), l.wqkv_folded.clone(), None);
-        let attn = attention.attend(qkv, Some(scale(&h)));
-        h = cubecl_kernels::linear_add(attn, l.wo.clone(), None, h);
-        let gu = cubecl_kernels::linear(h.clone(), l.wgu_folded.clone(), None);
-        let act = cubecl_kernels::silu_mul(gu, Some(scale(&h)));
-        h = cubecl_kernels::linear_add(act, l.wd.clone(), None, h);
+    for layer in layers {
+        h = layer.forward(h, &attention.rotary, &attention.meta, &mut attention.cache);
     }
-    cubecl_kernels::rms_norm_linear(h, w.gf.clone(), w.head.clone(), None, 1e-6)
+    cubecl_kernels::rms_norm_linear(h, w.gf.clone(), w.head.clone(), None, EPS)
 }
 
 /// Burn's own ops (the reference compositions), as in the PyTorch script.
@@ -257,13 +253,13 @@ fn step_burn(w: &Weights, x: &Tensor<2>) -> Tensor<2> {
     let (h, i) = (w.hidden, w.inter);
     let mut x = x.clone();
     for l in &w.layers {
-        let qkv = reference::rms_norm_linear(x.clone(), l.g1.clone(), l.wqkv.clone(), None, 1e-6);
+        let qkv = reference::rms_norm_linear(x.clone(), l.g1.clone(), l.wqkv.clone(), None, EPS);
         x = x + reference::linear(qkv.slice_dim(1, 0..h), l.wo.clone(), None);
-        let gu = reference::rms_norm_linear(x.clone(), l.g2.clone(), l.wgu.clone(), None, 1e-6);
+        let gu = reference::rms_norm_linear(x.clone(), l.g2.clone(), l.wgu.clone(), None, EPS);
         let act = silu(gu.clone().slice_dim(1, 0..i)) * gu.slice_dim(1, i..2 * i);
         x = x + reference::linear(act, l.wd.clone(), None);
     }
-    reference::rms_norm_linear(x, w.gf.clone(), w.head.clone(), None, 1e-6)
+    reference::rms_norm_linear(x, w.gf.clone(), w.head.clone(), None, EPS)
 }
 
 /// `with_burn = false` times only our ops (and skips the comparison), e.g. under a profiler.
@@ -295,6 +291,7 @@ pub fn run(
     // steps with attention in `dtype`.
     let w32 = weights(c, device, DType::F32);
     let w = w32.cast(dtype);
+    let layers = w.model_layers(c);
     for &m in ms {
         let x32 = Tensor::<2>::random(
             [m, c.hidden_size],
@@ -307,14 +304,16 @@ pub fn run(
         let graph_ours = graph_us(device, 1, 10, || step_ours(&w, &x, None)) / 1e3;
         let mut attention = attention32.cast(dtype);
         let graph_fused = graph_us(device, 1, 10, || step_ours(&w, &x, Some(&mut attention))) / 1e3;
-        let graph_attn = graph_us(device, 1, 10, || step_deferred(&w, &x, &mut attention)) / 1e3;
+        let graph_attn = graph_us(device, 1, 10, || {
+            step_model(&layers, &w, &x, &mut attention)
+        }) / 1e3;
         // Every step writes the same keys and values into the same slots (each rewrites them).
         let mut attention32 = attention32;
         let reference = step_ours(&w32, &x32, Some(&mut attention32));
         let err_vs_f32 =
             |y: Tensor<2>| crate::linear::rel_err(y.cast(DType::F32), reference.clone());
         let fused_err = err_vs_f32(step_ours(&w, &x, Some(&mut attention)));
-        let deferred_err = err_vs_f32(step_deferred(&w, &x, &mut attention));
+        let deferred_err = err_vs_f32(step_model(&layers, &w, &x, &mut attention));
         let (err, eager_burn, graph_burn) = if with_burn {
             (
                 crate::linear::rel_err(step_ours(&w, &x, None), step_burn(&w, &x)),
