@@ -29,8 +29,10 @@ pub struct RowScale<'a> {
 impl RowScale<'_> {
     /// `inv_rms(x) [T, 1]`, f32.
     pub fn inv_rms(&self) -> Tensor<2> {
-        let xf = self.input.clone().cast(FloatDType::F32);
-        (xf.square().mean_dim(1) + self.eps).sqrt().recip()
+        crate::rms_norm_linear::reference::inv_rms(
+            self.input.clone().cast(FloatDType::F32),
+            self.eps,
+        )
     }
 
     /// The plain-Burn definition: `z [T, N]` → `inv_rms(x) ⊙ z (+ b)` `[T, N]`, `z`'s dtype.

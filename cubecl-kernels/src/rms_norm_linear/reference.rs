@@ -10,8 +10,12 @@ use burn::tensor::{FloatDType, Tensor};
 pub fn rms_norm(x: Tensor<2>, weight: Tensor<1>, eps: f64) -> Tensor<2> {
     let dtype = x.dtype();
     let xf = x.cast(FloatDType::F32);
-    let inv_rms = (xf.clone().square().mean_dim(1) + eps).sqrt().recip();
-    (xf * inv_rms).cast(dtype) * weight.unsqueeze::<2>()
+    (xf.clone() * inv_rms(xf, eps)).cast(dtype) * weight.unsqueeze::<2>()
+}
+
+/// `1 / √(mean_k x[t, k]² + eps)` of each row: `x [M, K]` f32 → `[M, 1]` f32.
+pub(crate) fn inv_rms(x: Tensor<2>, eps: f64) -> Tensor<2> {
+    (x.square().mean_dim(1) + eps).sqrt().recip()
 }
 
 /// `x · Wᵀ (+ b)` with the weight in the Hugging Face layout.
