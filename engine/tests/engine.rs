@@ -5,6 +5,7 @@
 mod engine {
     mod block_manager;
     pub mod common;
+    mod cpu_targets;
     mod default_model;
     mod generation;
     mod sampler;

@@ -11,6 +11,14 @@
 //! the norm's sum of squares is a cube reduction. Query heads write the rotated query to
 //! `q_out [T, heads·D]`; key/value heads write their slot unless it is −1.
 //!
+//! The distance `D/2` between a pair's two elements is a run-time argument (`pair`), not the
+//! comptime `head_dim / 2`: on CubeCL's CPU runtime, LLVM 23 merges two bf16 stores at a known
+//! small distance into one gapped masked vector store (`llvm.masked.store.v33bf16` for
+//! `D = 64`) when the host has AVX512-BF16, and x86 instruction selection cannot lower that
+//! store without AVX512-FP16 (AMD Zen 4/5): the JIT aborted the process. An unknown distance
+//! leaves the stores apart (engine/tests/engine/cpu_targets.rs compiles every kernel for such
+//! CPUs).
+//!
 //! With a deferred row scale (`crate::row_scale`) q, k and v are the unscaled product of the
 //! layer input `x [T, K]`: each cube first reduces `x`'s row to `inv_rms` (the row is shared by
 //! the token's cubes, cache-resident after the first), then scales every value it reads and adds
@@ -109,6 +117,7 @@ pub(crate) mod kernel {
         v_off: usize,
         eps: f32,
         row_eps: f32,
+        pair: usize,
         #[comptime] cfg: StoreConfig,
         #[define(F)] _dtype: ElemType,
     ) {
@@ -158,18 +167,18 @@ pub(crate) mod kernel {
         let mut j = UNIT_POS_X as usize;
         while j < half {
             let (z1, z2) = if is_query {
-                (q[src_row + src_col + j], q[src_row + src_col + j + half])
+                (q[src_row + src_col + j], q[src_row + src_col + j + pair])
             } else {
-                (k[src_row + src_col + j], k[src_row + src_col + j + half])
+                (k[src_row + src_col + j], k[src_row + src_col + j + pair])
             };
             let mut x1 = projected(z1, row_s, row_bias, src_col + j, cfg);
-            let mut x2 = projected(z2, row_s, row_bias, src_col + j + half, cfg);
+            let mut x2 = projected(z2, row_s, row_bias, src_col + j + pair, cfg);
             if comptime!(cfg.qk_norm) {
                 // Rounded to F like the model's normalised activations.
                 let (w1, w2) = if is_query {
-                    (f32::cast_from(q_norm[j]), f32::cast_from(q_norm[j + half]))
+                    (f32::cast_from(q_norm[j]), f32::cast_from(q_norm[j + pair]))
                 } else {
-                    (f32::cast_from(k_norm[j]), f32::cast_from(k_norm[j + half]))
+                    (f32::cast_from(k_norm[j]), f32::cast_from(k_norm[j + pair]))
                 };
                 x1 = f32::cast_from(F::cast_from(x1 * scale * w1));
                 x2 = f32::cast_from(F::cast_from(x2 * scale * w2));
@@ -184,17 +193,17 @@ pub(crate) mod kernel {
             if is_query {
                 let at = t * q_out.stride(0) + head * d + j;
                 q_out[at] = F::cast_from(y1);
-                q_out[at + half] = F::cast_from(y2);
+                q_out[at + pair] = F::cast_from(y2);
             } else {
                 k_cache[cache_base + j] = F::cast_from(y1);
-                k_cache[cache_base + j + half] = F::cast_from(y2);
+                k_cache[cache_base + j + pair] = F::cast_from(y2);
                 // Without a row scale `projected` is the value itself (F → f32 → F is exact).
                 let vcol = v_off + kv_head * d;
                 let vrow = t * v.stride(0) + vcol;
                 let v1 = projected(v[vrow + j], row_s, row_bias, vcol + j, cfg);
-                let v2 = projected(v[vrow + j + half], row_s, row_bias, vcol + j + half, cfg);
+                let v2 = projected(v[vrow + j + pair], row_s, row_bias, vcol + j + pair, cfg);
                 v_cache[cache_base + j] = F::cast_from(v1);
-                v_cache[cache_base + j + half] = F::cast_from(v2);
+                v_cache[cache_base + j + pair] = F::cast_from(v2);
             }
             j += CUBE_DIM_X as usize;
         }
@@ -290,6 +299,7 @@ pub(crate) fn rope_store_kv(
             layout.offsets[2],
             eps[0],
             eps[1],
+            layout.head_dim / 2,
             cfg,
             dtype_to_storage_type(dtype),
         );
