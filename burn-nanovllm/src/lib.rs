@@ -11,6 +11,8 @@
 //!
 //! The streaming API (`add_request`, `step`, `abort`) is the engine's: [`LLM::engine_mut`].
 
+#![warn(missing_docs)]
+
 mod chat;
 mod error;
 pub mod hub;

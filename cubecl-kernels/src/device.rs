@@ -45,7 +45,6 @@ impl DeviceKind {
             Self::Cpu => Ok(Device::flex()),
             #[cfg(feature = "cpu")]
             Self::CubeclCpu => {
-                crate::cpu_builtins::register();
                 probe(cubecl::Device::cpu())?;
                 Ok(Device::cpu())
             }
@@ -59,6 +58,18 @@ impl DeviceKind {
                 "{other:?}: this build lacks the runtime (cargo feature)"
             ))),
         }
+    }
+
+    /// Whether this device computes in `dtype`, with the reason when not. bf16 on CubeCL's CPU
+    /// runtime needs `__truncsfbf2` on CPUs without AVX512-BF16, loaded here
+    /// ([`crate::load_cpu_builtins`]); a failure is refused here rather than at the first kernel.
+    pub fn supports_dtype(self, dtype: burn::tensor::DType) -> Result<(), KernelError> {
+        #[cfg(feature = "cpu")]
+        if self == Self::CubeclCpu && dtype == burn::tensor::DType::BF16 {
+            return crate::cpu_builtins::bf16_support();
+        }
+        let _ = dtype;
+        Ok(())
     }
 }
 

@@ -14,6 +14,10 @@ pub(crate) struct Knobs {
     pub split_k_off: bool,
     /// `BURN_NANOVLLM_CUBLAS=0`: the portable linear paths even where cuBLASLt is present.
     pub cublas_off: bool,
+    /// `BURN_NANOVLLM_CUBLAS=fenced`: cuBLASLt on its own stream, fenced by the context and kept
+    /// out of graph captures, as a build against the published cubecl-cuda runs it, even where
+    /// CubeCL's stream is known (measures what a dependent without the `[patch]` gets).
+    pub cublas_fenced: bool,
     /// `BURN_NANOVLLM_PREFILL_FMA` set: the FMA prefill kernel even where tensor cores exist.
     pub prefill_fma: bool,
     /// `BURN_NANOVLLM_PREFILL_CMMA` set: the portable-cmma prefill kernel even where manual MMA
@@ -43,6 +47,7 @@ impl Knobs {
             skinny_max_m: numbers("BURN_NANOVLLM_SKINNY_MAX_M").map(|[m]| m),
             split_k_off: std::env::var("BURN_NANOVLLM_SPLIT_K").is_ok_and(|v| v == "0"),
             cublas_off: std::env::var("BURN_NANOVLLM_CUBLAS").is_ok_and(|v| v == "0"),
+            cublas_fenced: std::env::var("BURN_NANOVLLM_CUBLAS").is_ok_and(|v| v == "fenced"),
             prefill_fma: is_set("BURN_NANOVLLM_PREFILL_FMA"),
             prefill_cmma: is_set("BURN_NANOVLLM_PREFILL_CMMA"),
             prefill_tile: numbers("BURN_NANOVLLM_PREFILL_TILE").map(|[p, k]| (p, k)),

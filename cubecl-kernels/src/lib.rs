@@ -16,6 +16,8 @@
 //! | [`sample`] | `logits [B, V]` (f32) → next tokens `[B]` (greedy, or seeded min-p/top-k/top-p draws) |
 //! | [`write_ints`] | host `i32` values into an existing device buffer, in place (graph inputs) |
 
+#![warn(missing_docs)]
+
 pub mod attention;
 #[cfg(feature = "cpu")]
 mod cpu_builtins;
@@ -34,15 +36,17 @@ pub use attention::{
     AttentionMetadata, DecodeTensors, LayerKvCache, MetadataTensors, PrefillTensors, QkNorm, Rope,
     paged_attention, rope_store_kv, store_kv,
 };
+#[cfg(feature = "cpu")]
+pub use cpu_builtins::load as load_cpu_builtins;
 pub use device::DeviceKind;
 pub use error::KernelError;
 pub use host_write::write_ints;
-#[cfg(feature = "cuda")]
-pub use rms_norm_linear::cublas_unavailable_reason;
 pub use rms_norm_linear::{
     FusedRmsNormLinear, LinearRoute, add_rms_norm_linear, check_args, linear, linear_add,
     linear_route, rms_norm, rms_norm_linear,
 };
+#[cfg(feature = "cuda")]
+pub use rms_norm_linear::{cublas_stream_ordered, cublas_unavailable_reason};
 pub use row_scale::{RowScale, fold_norm_gain};
 pub use sampling::{SamplingRow, sample};
 pub use silu_mul::silu_mul;
@@ -77,7 +81,16 @@ pub(crate) fn runs_kernels<const D: usize>(t: &Tensor<D>) -> bool {
     #[allow(unreachable_patterns)]
     match t.device().as_dispatch() {
         #[cfg(any(feature = "cpu", feature = "cuda"))]
-        DispatchDevice::Cube(_) => true,
+        DispatchDevice::Cube(device) => {
+            // bf16 kernels on the CPU runtime may call `__truncsfbf2` (`cpu_builtins`).
+            #[cfg(feature = "cpu")]
+            if device.runtime() == cubecl::RuntimeId::Cpu && t.dtype() == burn::tensor::DType::BF16
+            {
+                crate::cpu_builtins::bf16_support().unwrap_or_else(|e| panic!("{e}"));
+            }
+            let _ = device;
+            true
+        }
         _ => false,
     }
 }

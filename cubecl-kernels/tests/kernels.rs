@@ -4,6 +4,7 @@
 mod kernels {
     mod attention;
     pub mod common;
+    mod cpu_builtins;
     mod linear;
     mod sampling;
 }

@@ -96,6 +96,8 @@ impl EngineConfig {
         if self.num_kv_blocks == Some(0) {
             return Err(c("num_kv_blocks", "must be at least 1".to_string()));
         }
-        Ok(())
+        self.device
+            .supports_dtype(self.dtype())
+            .map_err(|e| c("dtype", e.to_string()))
     }
 }

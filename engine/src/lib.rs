@@ -15,6 +15,8 @@
 //! | [`detokenizer`] | incremental text and stop strings |
 //! | [`engine`] | [`LLMEngine`]: `add_request`, `step`, `abort` |
 
+#![warn(missing_docs)]
+
 pub mod block_manager;
 pub mod config;
 mod cuda_graph;

@@ -21,6 +21,8 @@
 //! # Ok::<(), model_qwen2::ModelError>(())
 //! ```
 
+#![warn(missing_docs)]
+
 mod config;
 mod error;
 mod kv_cache;

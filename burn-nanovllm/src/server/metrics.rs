@@ -13,16 +13,27 @@ use prometheus_client::registry::Registry;
 /// Handles to every metric (cheap clones sharing the values); the engine thread updates them.
 #[derive(Clone)]
 pub struct Metrics {
+    /// Requests in the running batch.
     pub running: Gauge,
+    /// Requests waiting to be scheduled.
     pub waiting: Gauge,
+    /// Fraction of the KV pool held by requests, 0–1.
     pub kv_usage: Gauge<f64, AtomicU64>,
+    /// Prefix-cache hits over queried prompt tokens, 0–1.
     pub prefix_hit_rate: Gauge<f64, AtomicU64>,
+    /// Prompt tokens of started requests.
     pub prompt_tokens: Counter,
+    /// Tokens generated.
     pub generation_tokens: Counter,
+    /// Requests finished (any reason).
     pub requests_finished: Counter,
+    /// Requests refused because the queue was full (503).
     pub requests_rejected: Counter,
+    /// Seconds from arrival to the first token.
     pub time_to_first_token: Histogram,
+    /// Seconds between consecutive tokens of a request.
     pub inter_token_latency: Histogram,
+    /// Seconds from arrival to the last token.
     pub e2e_latency: Histogram,
 }
 

@@ -7,12 +7,22 @@
 //! with `beta = 1`. Accumulation and scaling in f32 (`CUBLAS_COMPUTE_32F`: f32 operands are not
 //! rounded to TF32).
 //!
-//! Ordering: the call is enqueued on CubeCL's own stream — the stream the patched
-//! `GpuResource` carries (vendor/README.md) — from CubeCL's device thread (`Client::exclusive`),
-//! after `get_resource` has made every earlier launch of this thread reach it. It thus runs
-//! between our kernels, is recorded by CUDA-graph capture like them, and never runs on another
-//! thread while a capture is open (CubeCL captures in CUDA's global mode, where a driver call
-//! from any other thread invalidates the capture).
+//! Ordering, two ways, chosen when this crate is built (`build.rs`):
+//! - With the vendored cubecl-cuda (vendor/README.md: this workspace, and dependents that add its
+//!   `[patch]` lines, README "Library"), whose `GpuResource` carries CubeCL's CUDA stream, the call
+//!   is enqueued on that stream from CubeCL's device thread (`Client::exclusive`), after
+//!   `get_resource` has made every earlier launch of this thread reach it. It thus runs between our
+//!   kernels, is recorded by CUDA-graph capture like them, and never runs on another thread while
+//!   a capture is open (CubeCL captures in CUDA's global mode, where a driver call from any other
+//!   thread invalidates the capture).
+//! - With the published cubecl-cuda, which does not say which stream a buffer's work is on, the
+//!   call runs on a stream of ours, fenced by the whole context (CUDA ≥ 12.5): an event recorded
+//!   for the context (`cuCtxRecordEvent`: every launch CubeCL made so far) that our stream waits
+//!   for, then the product, then an event our stream records and the context waits for
+//!   (`cuCtxWaitEvent`: every later launch, on any stream, starts after the product). Both calls
+//!   are refused while a stream of the context captures a graph, so under capture (from
+//!   `graph_prepare` on: the warm-up runs take the same route as the recorded one) the products
+//!   take CubeCL's kernels instead ([`usable`]).
 //!
 //! Capture rules: cuBLAS gets a 32 MiB workspace per stream, a persistent CubeCL buffer (left to
 //! itself it would allocate one inside the graph, which CubeCL rejects; two streams never share
@@ -26,8 +36,10 @@ use std::sync::{Mutex, OnceLock};
 
 use burn::tensor::DType;
 use burn_cubecl::tensor::CubeTensor;
+use cubecl::client::Client;
 use cudarc::cublaslt::{result as lt, sys};
-use cudarc::driver::sys::CUstream;
+use cudarc::driver;
+use cudarc::driver::sys::{CUevent, CUstream};
 
 use crate::knobs::Knobs;
 
@@ -68,6 +80,8 @@ struct Plan {
 struct DeviceLt {
     handle: sys::cublasLtHandle_t,
     plans: HashMap<PlanKey, Plan>,
+    /// Our stream and its fences, for calls without CubeCL's stream (made on first use).
+    fenced: Option<Fenced>,
 }
 
 // SAFETY: the raw handles are only used under the `DEVICES` mutex.
@@ -87,14 +101,26 @@ struct Workspace {
 static WORKSPACES: Mutex<Vec<((usize, usize), Workspace)>> = Mutex::new(Vec::new());
 
 /// The CUDA device index of `device`, if cuBLASLt may serve it: CUDA, the library loadable, not
-/// switched off (`BURN_NANOVLLM_CUBLAS=0`) and no earlier failure on that device.
-pub(crate) fn usable(device: &cubecl::Device) -> Option<usize> {
+/// switched off (`BURN_NANOVLLM_CUBLAS=0`), no earlier failure on that device, and without
+/// CubeCL's stream ([`stream_ordered`]) no graph capture under way on `client`'s stream.
+pub(crate) fn usable(device: &cubecl::Device, client: &Client) -> Option<usize> {
     #[allow(unreachable_patterns)]
     let index = match device {
         cubecl::Device::Cuda(d) => d.index,
         _ => return None,
     };
+    if !stream_ordered() && client.is_capturing() {
+        return None;
+    }
     cublas_unavailable_reason(index).is_none().then_some(index)
+}
+
+/// Whether cuBLASLt runs on CubeCL's own stream, so that graph captures record it: built
+/// against the vendored cubecl-cuda, which hands the stream out, and not switched to the fenced
+/// route (`BURN_NANOVLLM_CUBLAS=fenced`). Otherwise it is fenced by the context and stays out
+/// of captures (module doc).
+pub fn stream_ordered() -> bool {
+    cfg!(cubecl_cuda_stream) && !Knobs::get().cublas_fenced
 }
 
 /// Why cuBLASLt does not serve CUDA device `index`, if it does not (`None`: it does, or has not
@@ -182,15 +208,22 @@ fn enqueue(
     let (xr, wr, yr) = (resource(x)?, resource(w)?, resource(y)?);
     let br = bias.map(resource).transpose()?;
     let ar = add.map(resource).transpose()?;
-    let stream = yr.resource().stream;
-    if xr.resource().stream != stream
-        || wr.resource().stream != stream
-        || ar.as_ref().is_some_and(|a| a.resource().stream != stream)
-    {
-        return Err(Failure::Transient(
-            "operands resolved to different CUDA streams".into(),
-        ));
-    }
+    // CubeCL's stream where this build can know it (module doc); `None`: our own, fenced.
+    #[cfg(cubecl_cuda_stream)]
+    let stream = {
+        let stream = yr.resource().stream;
+        if xr.resource().stream != stream
+            || wr.resource().stream != stream
+            || ar.as_ref().is_some_and(|a| a.resource().stream != stream)
+        {
+            return Err(Failure::Transient(
+                "operands resolved to different CUDA streams".into(),
+            ));
+        }
+        stream_ordered().then_some(stream)
+    };
+    #[cfg(not(cubecl_cuda_stream))]
+    let stream: Option<CUstream> = None;
     let add_ptr = ar.as_ref().map_or(0, |a| a.resource().ptr);
     let ptrs = [
         xr.resource().ptr,
@@ -239,10 +272,10 @@ fn enqueue(
     result.map_err(Failure::Fatal)
 }
 
-/// The workspace of `stream` on device `index`, allocated (persistent, from `like`'s client) on
-/// first use.
-fn workspace(index: usize, stream: CUstream, like: &CubeTensor) -> Result<u64, String> {
-    let key = (index, stream as usize);
+/// The workspace of `stream` (`None`: our fenced stream) on device `index`, allocated
+/// (persistent, from `like`'s client) on first use.
+fn workspace(index: usize, stream: Option<CUstream>, like: &CubeTensor) -> Result<u64, String> {
+    let key = (index, stream.map_or(0, |s| s as usize));
     let mut workspaces = WORKSPACES.lock().unwrap_or_else(|e| e.into_inner());
     if let Some((_, w)) = workspaces.iter().find(|(k, _)| *k == key) {
         return Ok(w.ptr);
@@ -273,7 +306,8 @@ struct Call {
     /// Address of the bias (0: none).
     bias: u64,
     workspace: u64,
-    stream: CUstream,
+    /// CubeCL's stream, or `None` for our fenced one.
+    stream: Option<CUstream>,
 }
 
 // SAFETY: the stream handle is only passed to cuBLASLt, on the device thread that owns it.
@@ -299,9 +333,13 @@ impl Call {
             .find(|(i, _)| *i == index)
             .map(|(_, s)| s)
             .expect("inserted above");
-        let lt_state = state.as_mut().map_err(|e| e.clone())?;
-        let handle = lt_state.handle;
-        let plan = match lt_state.plans.entry(key) {
+        let DeviceLt {
+            handle,
+            plans,
+            fenced,
+        } = state.as_mut().map_err(|e| e.clone())?;
+        let handle = *handle;
+        let plan = match plans.entry(key) {
             std::collections::hash_map::Entry::Occupied(e) => e.into_mut(),
             std::collections::hash_map::Entry::Vacant(e) => {
                 e.insert(Plan::new(handle, &key, data_type)?)
@@ -317,7 +355,7 @@ impl Call {
         // resources until this returns; the shapes and pitches are the ones the layouts
         // describe; the workspace belongs to this stream and is as large as the heuristic was
         // told.
-        unsafe {
+        let matmul = |stream: CUstream| unsafe {
             if key.bias {
                 set_desc(
                     plan.desc,
@@ -344,6 +382,62 @@ impl Call {
                 stream as _,
             )
             .map_err(|e| format!("cublasLtMatmul {m}x{n}x{k}: {e:?}"))
+        };
+        match stream {
+            Some(stream) => matmul(stream),
+            None => {
+                if fenced.is_none() {
+                    *fenced = Some(Fenced::new()?);
+                }
+                fenced.as_ref().expect("created above").run(matmul)
+            }
+        }
+    }
+}
+
+/// Our stream for cuBLASLt where CubeCL's is unknown, and the events that fence it against the
+/// whole context (module doc). Created on the device thread, kept for the process.
+struct Fenced {
+    stream: CUstream,
+    /// Recorded for the context before a call; our stream waits for it.
+    before: CUevent,
+    /// Recorded on our stream after a call; the context waits for it.
+    after: CUevent,
+}
+
+impl Fenced {
+    fn new() -> Result<Self, String> {
+        let err = |what: &str, e: &dyn std::fmt::Debug| format!("{what}: {e:?}");
+        let flags = driver::sys::CUevent_flags::CU_EVENT_DISABLE_TIMING;
+        Ok(Self {
+            stream: driver::result::stream::create(driver::result::stream::StreamKind::NonBlocking)
+                .map_err(|e| err("cuStreamCreate", &e))?,
+            before: driver::result::event::create(flags).map_err(|e| err("cuEventCreate", &e))?,
+            after: driver::result::event::create(flags).map_err(|e| err("cuEventCreate", &e))?,
+        })
+    }
+
+    /// Runs `call` on our stream after every launch CubeCL made so far, and makes every later
+    /// launch of the context wait for it. Fails where the driver lacks context events (CUDA
+    /// < 12.5) or while a stream of the context captures.
+    fn run(&self, call: impl FnOnce(CUstream) -> Result<(), String>) -> Result<(), String> {
+        use driver::sys as d;
+        let check = |what: &str, r: d::CUresult| {
+            r.result().map_err(|e| format!("{what}: {e:?} (cuBLASLt without CubeCL's stream needs CUDA 12.5's context events)"))
+        };
+        // SAFETY: on the device thread, where CubeCL's context is current; the stream and
+        // events are ours and alive.
+        unsafe {
+            let mut ctx = std::ptr::null_mut();
+            check("cuCtxGetCurrent", d::cuCtxGetCurrent(&mut ctx))?;
+            check("cuCtxRecordEvent", d::cuCtxRecordEvent(ctx, self.before))?;
+            check(
+                "cuStreamWaitEvent",
+                d::cuStreamWaitEvent(self.stream, self.before, 0),
+            )?;
+            call(self.stream)?;
+            check("cuEventRecord", d::cuEventRecord(self.after, self.stream))?;
+            check("cuCtxWaitEvent", d::cuCtxWaitEvent(ctx, self.after))
         }
     }
 }
@@ -355,6 +449,7 @@ impl DeviceLt {
         Ok(Self {
             handle,
             plans: HashMap::new(),
+            fenced: None,
         })
     }
 }

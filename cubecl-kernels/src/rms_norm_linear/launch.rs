@@ -25,6 +25,7 @@ use burn::backend::ops::FloatTensorOps;
 use burn::tensor::{DType, Shape};
 use burn_cubecl::kernel::matmul::{self, MatmulStrategy};
 use burn_cubecl::{CubeBackend, ops::numeric::empty_device_dtype, tensor::CubeTensor};
+use cubecl::client::Client;
 use cubecl::prelude::{CubeCount, CubeDim};
 use cubecl::zspace::metadata::Metadata;
 
@@ -60,7 +61,7 @@ const CACHE_FALLBACK_BYTES: usize = 48 << 20;
 pub enum LinearRoute {
     /// `linear_skinny`: few rows, each weight row streamed once per 8 rows.
     Skinny,
-    /// cuBLASLt on CubeCL's stream.
+    /// cuBLASLt (on CubeCL's stream, or fenced on its own: `rms_norm_linear/cublas.rs`).
     CublasLt,
     /// cubek's autotuned tensor-core matmul (Burn's `float_matmul`).
     Cubek,
@@ -75,10 +76,11 @@ pub(crate) fn route(
     k: usize,
     dtype: DType,
     device: &cubecl::Device,
+    client: &Client,
     caps: &DeviceCaps,
 ) -> LinearRoute {
     let cached = n * k * dtype.size() <= caps.cache_bytes.unwrap_or(CACHE_FALLBACK_BYTES) / 4;
-    let cublas = cublas_device(device).is_some();
+    let cublas = cublas_device(device, client).is_some();
     let skinny = k < 16
         || match Knobs::get().skinny_max_m {
             Some(max) => m <= max,
@@ -96,15 +98,16 @@ pub(crate) fn route(
     }
 }
 
-/// The CUDA device index if cuBLASLt may serve `device`.
-fn cublas_device(device: &cubecl::Device) -> Option<usize> {
+/// The CUDA device index if cuBLASLt may serve `device` now (`client`: its client, whose
+/// capture state matters).
+fn cublas_device(device: &cubecl::Device, client: &Client) -> Option<usize> {
     #[cfg(feature = "cuda")]
     {
-        super::cublas::usable(device)
+        super::cublas::usable(device, client)
     }
     #[cfg(not(feature = "cuda"))]
     {
-        let _ = device;
+        let _ = (device, client);
         None
     }
 }
@@ -127,7 +130,7 @@ pub(crate) fn fused_linear(
     let n = w.meta.shape()[0];
     let caps = DeviceCaps::of(&x.client);
     let dtype = x.dtype;
-    let route = route(m, n, k, dtype, &x.device, &caps);
+    let route = route(m, n, k, dtype, &x.device, &x.client, &caps);
     let matmul = matches!(route, LinearRoute::CublasLt | LinearRoute::Cubek);
 
     // Row statistics (and the residual sum, and for the matmul path the normalised rows) once
@@ -225,7 +228,7 @@ pub(crate) fn fused_linear(
         #[cfg(feature = "cuda")]
         if route == LinearRoute::CublasLt {
             let y = alloc([m, n], dtype);
-            let index = cublas_device(&x.device);
+            let index = cublas_device(&x.device, &x.client);
             // On failure (reported once, cuBLASLt then off for the device) the cubek path below
             // computes the product instead.
             if m == 0

@@ -12,7 +12,7 @@ mod module;
 pub mod reference;
 
 #[cfg(feature = "cuda")]
-pub use cublas::cublas_unavailable_reason;
+pub use cublas::{cublas_unavailable_reason, stream_ordered as cublas_stream_ordered};
 pub use launch::LinearRoute;
 pub use module::FusedRmsNormLinear;
 
@@ -150,8 +150,9 @@ pub fn linear_route(x: &Tensor<2>, n: usize) -> Option<LinearRoute> {
         #[cfg(any(feature = "cpu", feature = "cuda"))]
         DispatchDevice::Cube(device) => {
             let [m, k] = x.dims();
-            let caps = crate::device_caps::DeviceCaps::of(&device.client());
-            Some(launch::route(m, n, k, x.dtype(), device, &caps))
+            let client = device.client();
+            let caps = crate::device_caps::DeviceCaps::of(&client);
+            Some(launch::route(m, n, k, x.dtype(), device, &client, &caps))
         }
         _ => None,
     }

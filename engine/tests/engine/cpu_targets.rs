@@ -12,6 +12,12 @@
 //! each CPU in [`TARGETS`], without running the code. LLVM aborts the process on such a
 //! failure, so the work runs in a child process, which names each kernel and CPU before
 //! compiling it.
+//!
+//! Every function the compiled code calls outside itself must also resolve in this process's
+//! global scope, as the JIT resolves it: on CPUs without AVX512-BF16 LLVM converts f32 to bf16
+//! through `__truncsfbf2`, which only the builtins library cubecl-kernels loads provides
+//! (`cubecl-kernels/src/cpu_builtins.rs`); a kernel calling anything else unresolvable would
+//! fail to link on such a host.
 
 use std::ffi::{CStr, CString};
 use std::path::{Path, PathBuf};
@@ -21,7 +27,8 @@ use burn::tensor::DType;
 use engine::{DeviceKind, EngineConfig, LLMEngine};
 use llvm_sys::core::{
     LLVMContextCreate, LLVMContextDispose, LLVMCreateMemoryBufferWithMemoryRangeCopy,
-    LLVMDisposeMemoryBuffer, LLVMDisposeMessage, LLVMDisposeModule, LLVMSetTarget,
+    LLVMDisposeMemoryBuffer, LLVMDisposeMessage, LLVMDisposeModule, LLVMGetBufferSize,
+    LLVMGetBufferStart, LLVMSetTarget,
 };
 use llvm_sys::error::{LLVMDisposeErrorMessage, LLVMGetErrorMessage};
 use llvm_sys::ir_reader::LLVMParseIRInContext2;
@@ -116,15 +123,43 @@ fn child(dir: &Path) {
         LLVMInitializeX86AsmPrinter();
         LLVMInitializeX86AsmParser();
     }
+    cubecl_kernels::load_cpu_builtins().unwrap();
+    let mut called = std::collections::BTreeSet::new();
     for (cpu, what) in TARGETS {
         for (name, ir) in &kernels {
             eprintln!("compiling {name} for {cpu} ({what})");
-            if let Err(e) = compile(ir, cpu) {
-                panic!("{name} for {cpu} ({what}): {e}");
+            let object =
+                compile(ir, cpu).unwrap_or_else(|e| panic!("{name} for {cpu} ({what}): {e}"));
+            for symbol in undefined_symbols(&object) {
+                let c = CString::new(symbol.as_str()).unwrap();
+                // SAFETY: a lookup of a NUL-terminated name in the global scope.
+                let found = unsafe { !libc::dlsym(libc::RTLD_DEFAULT, c.as_ptr()).is_null() };
+                assert!(
+                    found,
+                    "{name} for {cpu} ({what}) calls `{symbol}`, unresolvable here"
+                );
+                called.insert(symbol);
             }
         }
         eprintln!("compiled {} kernels for {cpu}", kernels.len());
     }
+    // bf16 kernels compiled for a CPU without AVX512-BF16 call the conversion routine: if none
+    // did, this check would have checked nothing.
+    assert!(
+        called.contains("__truncsfbf2"),
+        "no kernel called __truncsfbf2 (external calls: {called:?})"
+    );
+    eprintln!("external calls, all resolved: {called:?}");
+}
+
+/// The names an ELF object file uses without defining them.
+fn undefined_symbols(elf: &[u8]) -> Vec<String> {
+    use object::{Object, ObjectSymbol};
+    let file = object::File::parse(elf).expect("an ELF object");
+    file.symbols()
+        .filter(|s| s.is_undefined() && !s.name().unwrap_or_default().is_empty())
+        .map(|s| s.name().unwrap().to_string())
+        .collect()
 }
 
 /// A two-layer random-weight model of the given attention shape through a few engine steps: a
@@ -186,8 +221,8 @@ fn dumped_kernels(dir: &Path) -> Vec<(String, String)> {
 }
 
 /// Runs the JIT's pipeline over `ir` for x86-64 CPU `cpu` (its default features): `default<O3>`
-/// with the CPU's target machine, then code generation to an object file.
-fn compile(ir: &str, cpu: &str) -> Result<(), String> {
+/// with the CPU's target machine, then code generation to an object file, returned.
+fn compile(ir: &str, cpu: &str) -> Result<Vec<u8>, String> {
     let triple = c"x86_64-unknown-linux-gnu";
     let cpu = CString::new(cpu).unwrap();
     // SAFETY: every LLVM object is created and disposed here, messages are read once and
@@ -231,7 +266,7 @@ fn compile(ir: &str, cpu: &str) -> Result<(), String> {
         let options = LLVMCreatePassBuilderOptions();
         let error = LLVMRunPasses(module, c"default<O3>".as_ptr(), machine, options);
         LLVMDisposePassBuilderOptions(options);
-        let mut result = Ok(());
+        let result;
         if !error.is_null() {
             let m = LLVMGetErrorMessage(error);
             result = Err(format!(
@@ -251,6 +286,8 @@ fn compile(ir: &str, cpu: &str) -> Result<(), String> {
             {
                 result = Err(format!("code generation: {}", take(message)));
             } else {
+                let start = LLVMGetBufferStart(object).cast::<u8>();
+                result = Ok(std::slice::from_raw_parts(start, LLVMGetBufferSize(object)).to_vec());
                 LLVMDisposeMemoryBuffer(object);
             }
         }
