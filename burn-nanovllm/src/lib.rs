@@ -1,11 +1,15 @@
 //! burn-nanovllm: LLM inference for Qwen2-family models on Burn, with CubeCL kernels.
 //!
-//! ```no_run
+//! ```
 //! use burn_nanovllm::{EngineConfig, LLM, Prompt, SamplingParams};
 //!
+//! // The default model (7 M parameters, committed) on the CPU; `EngineConfig { device:
+//! // DeviceKind::Cuda(0), ..Default::default() }` and a Hugging Face folder for real models.
 //! let mut llm = LLM::new(burn_nanovllm::default_model_dir(), EngineConfig::default())?;
 //! let out = llm.generate(&[Prompt::from("Call me Ishmael.")], &SamplingParams::greedy(16))?;
-//! println!("{}", out[0].text.as_deref().unwrap_or_default());
+//! let text = out[0].text.as_deref().unwrap_or_default();
+//! println!("{text}");
+//! assert!(!out[0].token_ids.is_empty() && !text.is_empty());
 //! # Ok::<(), burn_nanovllm::LlmError>(())
 //! ```
 //!

@@ -1,16 +1,37 @@
 //! CubeCL kernels for LLM inference, registered as custom Burn backend ops.
 //!
+//! ```
+//! use burn::tensor::{Distribution, Tensor};
+//! use cubecl_kernels::{DeviceKind, rms_norm_linear::reference};
+//!
+//! // CubeCL's CPU runtime runs the kernels here; `DeviceKind::Cuda(0)` runs them on a GPU, and
+//! // any other Burn device takes the plain-Burn reference path.
+//! let device = DeviceKind::CubeclCpu.device()?;
+//! let x = Tensor::<2>::random([5, 64], Distribution::Default, &device); // [M, K]
+//! let gain = Tensor::<1>::random([64], Distribution::Uniform(0.5, 1.5), &device); // [K]
+//! let w = Tensor::<2>::random([48, 64], Distribution::Default, &device); // [N, K] (HF layout)
+//! let bias = Tensor::<1>::random([48], Distribution::Default, &device); // [N]
+//!
+//! // RMSNorm and the product in one op: the normalised rows never reach memory.
+//! let y = cubecl_kernels::rms_norm_linear(x.clone(), gain.clone(), w.clone(), Some(bias.clone()), 1e-6);
+//! let expected = reference::rms_norm_linear(x, gain, w, Some(bias), 1e-6);
+//! assert_eq!(y.dims(), [5, 48]);
+//! let error: f32 = (y - expected.clone()).abs().max().into_scalar();
+//! assert!(error < 1e-4 * expected.abs().max().into_scalar::<f32>());
+//! # Ok::<(), cubecl_kernels::KernelError>(())
+//! ```
+//!
 //! Every op has a plain-Burn reference path (the `reference` modules) that runs on any backend,
 //! defines what the op computes and is the test oracle.
 //!
 //! | op | shapes |
 //! | --- | --- |
-//! | [`rms_norm_linear`] | `x [M, K]`, `g [K]`, `W [N, K]`, `b [N]` → `[M, N]` |
+//! | [`rms_norm_linear()`] | `x [M, K]`, `g [K]`, `W [N, K]`, `b [N]` → `[M, N]` |
 //! | [`add_rms_norm_linear`] | as above plus `residual [M, K]`; also returns `h = x + residual` |
 //! | [`linear`] | `x [M, K]`, `W [N, K]`, `b [N]` → `[M, N]` |
 //! | [`store_kv`] | `k, v [T, kv_heads, d]` into the paged cache at `slot_mapping` |
 //! | [`rope_store_kv`] | `qkv [T, (heads + 2·kv_heads)·d]`: deferred row scale, q/k norm + RoPE, k/v into the cache → `q [T, heads, d]` |
-//! | [`silu_mul`] | `gate_up [T, 2·I]` → `silu(gate)·up [T, I]`, optionally completing a deferred RMSNorm row scale |
+//! | [`silu_mul()`] | `gate_up [T, 2·I]` → `silu(gate)·up [T, I]`, optionally completing a deferred RMSNorm row scale |
 //! | [`linear_add`] | `x [M, K]`, `W [N, K]`, `b [N]`, `residual [M, N]` → `x·Wᵀ + b + residual` |
 //! | [`paged_attention`] | `q [T, heads, d]` over each sequence's cached context → `[T, heads, d]` |
 //! | [`sample`] | `logits [B, V]` (f32) → next tokens `[B]` (greedy, or seeded min-p/top-k/top-p draws) |

@@ -5,7 +5,7 @@
 //! into the weight once ([`fold_norm_gain`]), the product is a plain GEMM of the raw rows (no
 //! normalisation kernel before it: on cuBLASLt that kernel cost as much as the GEMM at decode
 //! sizes), and the row scale and bias ride in the kernel that reads the product next
-//! ([`crate::rope_store_kv`], [`crate::silu_mul`]), which recomputes `inv_rms` from `x`.
+//! ([`crate::rope_store_kv`], [`crate::silu_mul()`]), which recomputes `inv_rms` from `x`.
 //!
 //! Device side: `row_inv_rms`, shared by those kernels.
 

@@ -7,7 +7,7 @@
 //! Launch geometry: cubes `(t, chunk)`, each covering `chunk_vecs` vectors of `NV` outputs of row
 //! `t`; unit `u` takes vectors `u + j·cube_dim` of the chunk. A unit issues the gate and up loads
 //! of its first `held` vectors before anything else; with a row scale the cube then reduces the
-//! row of `x` ([`row_inv_rms`]; every chunk of a row recomputes it) while those loads are in
+//! row of `x` (`row_scale::row_inv_rms`; every chunk of a row recomputes it) while those loads are in
 //! flight, and the unit strides over the rest of its chunk. With at least two rows per
 //! multiprocessor a row is one chunk (`held` = 4); with fewer rows the chunks are
 //! `cube_dim · held` vectors, `held` the largest of 4, 2, 1 that still gives two cubes per

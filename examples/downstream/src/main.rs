@@ -42,6 +42,14 @@ fn smoke(device: DeviceKind) -> Result<()> {
     )?;
     let text = out[0].text.as_deref().unwrap_or_default();
     println!("{:?} on {device:?}: {text}", out[0].token_ids);
+    // Decided when cubecl-kernels was built: the published cubecl-cuda (a plain dependency) or
+    // the patched one (the `[patch]` lines of the README's "As a library").
+    let route = if cubecl_kernels::cublas_stream_ordered() {
+        "on CubeCL's stream, inside CUDA graphs (patched cubecl-cuda)"
+    } else {
+        "fenced on a stream of its own, outside CUDA graphs (published cubecl-cuda)"
+    };
+    println!("cuBLASLt route of this build: {route}");
     Ok(())
 }
 

@@ -6,7 +6,7 @@ use super::Linear;
 
 /// SiLU-gated MLP: `down(silu(gate(norm(h))) · up(norm(h)))`, gate and up merged into one
 /// projection whose weight carries the post-attention RMSNorm's gain; the norm's row scale is
-/// applied in the activation ([`cubecl_kernels::silu_mul`]).
+/// applied in the activation ([`cubecl_kernels::silu_mul()`]).
 #[derive(Module, Debug)]
 pub struct Qwen2Mlp {
     /// `[2·I, H]`: rows `0..I` are `gate_proj`, rows `I..2I` are `up_proj`, the post-attention
