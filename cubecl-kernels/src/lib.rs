@@ -55,7 +55,7 @@ pub mod silu_mul;
 
 pub use attention::{
     AttentionMetadata, DecodeTensors, LayerKvCache, MetadataTensors, PrefillTensors, QkNorm, Rope,
-    paged_attention, rope_store_kv, store_kv,
+    TileCache, paged_attention, prefill_tile_rows, rope_store_kv, store_kv,
 };
 #[cfg(feature = "cpu")]
 pub use cpu_builtins::load as load_cpu_builtins;

@@ -11,30 +11,23 @@ use burn::backend::{
 use burn::tensor::Shape;
 use burn_cubecl::CubeBackend;
 
-use crate::attention::{QkvLayout, TileCache, decode, prefill, store_kv};
+use crate::attention::{AttentionLaunch, QkvLayout, decode, prefill, store_kv};
 use crate::host_write;
 use crate::rms_norm_linear::launch as linear_launch;
 use crate::sampling;
 use crate::silu_mul::{self, SiluMulFlags};
 
-/// Host-side facts the decode kernel is launched from (from [`crate::AttentionMetadata`]).
-#[derive(Clone, Debug)]
-pub struct DecodePlan {
-    /// Longest context the launch geometry covers (the context split depends on it).
-    pub context_bound: usize,
+/// Host-side facts an attention launch needs besides its tensors (from
+/// [`crate::AttentionMetadata`]).
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct AttentionPlan {
     /// Softmax scale.
     pub scale: f32,
-}
-
-/// Host-side facts the prefill kernel is launched from (from [`crate::AttentionMetadata`]).
-#[derive(Clone, Debug)]
-pub struct PrefillPlan {
-    /// New tokens per (prefill) sequence: they define the query tiles.
-    pub query_lens: Arc<Vec<usize>>,
-    /// The step's tile list, built by the first launch.
-    pub tiles: Arc<TileCache>,
-    /// Softmax scale.
-    pub scale: f32,
+    /// With decode rows: the longest context their launch geometry covers (the context split
+    /// depends on it). `None`: no decode part (its tensors are placeholders).
+    pub decode_context_bound: Option<usize>,
+    /// With prefill chunks: queries per tile of the tile list. `None`: no prefill part.
+    pub prefill_tile_rows: Option<usize>,
 }
 
 /// Host values to write into a device buffer in place (see [`crate::write_ints`]).
@@ -95,29 +88,24 @@ pub trait KernelOps: Backend {
         eps: [f32; 2],
     ) -> (FloatTensor<Self>, FloatTensor<Self>, FloatTensor<Self>);
 
-    /// Decode attention of `q [B, heads, D]` (one token per sequence) over the caches →
-    /// `[B, heads, D]`.
-    #[fusion(meta = paged_decode_meta)]
-    fn paged_decode(
+    /// Attention of a step's tokens `q [T, heads, D]` over the caches → `[T, heads, D]`: rows
+    /// `0..B` (`B` = `decode_context`'s length) one token per sequence through the decode
+    /// kernel, and the prefill chunks (`cu_seqlens_q`, `tiles`) through the prefill kernel,
+    /// into one output. Rows of context 0 and tiles of sequence −1 are padding: skipped, their
+    /// rows left unwritten. Absent parts (`plan`) have placeholder tensors.
+    #[allow(clippy::too_many_arguments)]
+    #[fusion(meta = paged_attention_meta)]
+    fn paged_attention(
         q: FloatTensor<Self>,
         k_cache: FloatTensor<Self>,
         v_cache: FloatTensor<Self>,
-        block_tables: IntTensor<Self>,
-        context_lens: IntTensor<Self>,
-        plan: DecodePlan,
-    ) -> FloatTensor<Self>;
-
-    /// Prefill attention of `q [T, heads, D]` (sequences' runs at `cu_seqlens_q`) over the
-    /// caches → `[T, heads, D]`.
-    #[fusion(meta = paged_prefill_meta)]
-    fn paged_prefill(
-        q: FloatTensor<Self>,
-        k_cache: FloatTensor<Self>,
-        v_cache: FloatTensor<Self>,
-        block_tables: IntTensor<Self>,
-        context_lens: IntTensor<Self>,
+        decode_tables: IntTensor<Self>,
+        decode_context: IntTensor<Self>,
+        prefill_tables: IntTensor<Self>,
+        prefill_context: IntTensor<Self>,
         cu_seqlens_q: IntTensor<Self>,
-        plan: PrefillPlan,
+        tiles: IntTensor<Self>,
+        plan: AttentionPlan,
     ) -> FloatTensor<Self>;
 
     /// Writes `values` into `dst` (`[n]` i32, contiguous) in place and returns it: the buffer
@@ -175,25 +163,18 @@ fn silu_mul_meta(
     )
 }
 
-fn paged_decode_meta(
+#[allow(clippy::too_many_arguments)]
+fn paged_attention_meta(
     q: &TensorSpec,
     _k_cache: &TensorSpec,
     _v_cache: &TensorSpec,
-    _block_tables: &TensorSpec,
-    _context_lens: &TensorSpec,
-    _plan: &DecodePlan,
-) -> TensorSpec {
-    q.clone()
-}
-
-fn paged_prefill_meta(
-    q: &TensorSpec,
-    _k_cache: &TensorSpec,
-    _v_cache: &TensorSpec,
-    _block_tables: &TensorSpec,
-    _context_lens: &TensorSpec,
+    _decode_tables: &TensorSpec,
+    _decode_context: &TensorSpec,
+    _prefill_tables: &TensorSpec,
+    _prefill_context: &TensorSpec,
     _cu_seqlens_q: &TensorSpec,
-    _plan: &PrefillPlan,
+    _tiles: &TensorSpec,
+    _plan: &AttentionPlan,
 ) -> TensorSpec {
     q.clone()
 }
@@ -293,43 +274,44 @@ impl KernelOps for CubeBackend {
         )
     }
 
-    fn paged_decode(
+    fn paged_attention(
         q: FloatTensor<Self>,
         k_cache: FloatTensor<Self>,
         v_cache: FloatTensor<Self>,
-        block_tables: IntTensor<Self>,
-        context_lens: IntTensor<Self>,
-        plan: DecodePlan,
-    ) -> FloatTensor<Self> {
-        decode::paged_decode(
-            q,
-            k_cache,
-            v_cache,
-            block_tables,
-            context_lens,
-            plan.context_bound,
-            plan.scale,
-        )
-    }
-
-    fn paged_prefill(
-        q: FloatTensor<Self>,
-        k_cache: FloatTensor<Self>,
-        v_cache: FloatTensor<Self>,
-        block_tables: IntTensor<Self>,
-        context_lens: IntTensor<Self>,
+        decode_tables: IntTensor<Self>,
+        decode_context: IntTensor<Self>,
+        prefill_tables: IntTensor<Self>,
+        prefill_context: IntTensor<Self>,
         cu_seqlens_q: IntTensor<Self>,
-        plan: PrefillPlan,
+        tiles: IntTensor<Self>,
+        plan: AttentionPlan,
     ) -> FloatTensor<Self> {
-        prefill::paged_prefill(
-            q,
-            k_cache,
-            v_cache,
-            block_tables,
-            context_lens,
-            cu_seqlens_q,
-            plan,
-        )
+        let launch = AttentionLaunch::new(q, &k_cache);
+        if let Some(bound) = plan.decode_context_bound {
+            decode::paged_decode(
+                &launch,
+                k_cache.clone(),
+                v_cache.clone(),
+                decode_tables,
+                decode_context,
+                bound,
+                plan.scale,
+            );
+        }
+        if let Some(rows) = plan.prefill_tile_rows {
+            prefill::paged_prefill(
+                &launch,
+                k_cache,
+                v_cache,
+                prefill_tables,
+                prefill_context,
+                cu_seqlens_q,
+                tiles,
+                rows,
+                plan.scale,
+            );
+        }
+        launch.out
     }
 
     fn write_ints(dst: IntTensor<Self>, values: HostInts) -> IntTensor<Self> {

@@ -29,6 +29,16 @@ pub struct EngineConfig {
     pub cpu_kv_cache_bytes: usize,
     /// Run every step eagerly (no CUDA graphs).
     pub enforce_eager: bool,
+    /// Token counts of the steps captured as CUDA graphs (vLLM's `cudagraph_capture_sizes`):
+    /// a step — decodes, prefill chunks or both — replays the smallest graph that holds it,
+    /// and the scheduler shapes steps to these sizes, cutting prefill chunks so that steps
+    /// fill a graph and never exceed the largest. Default
+    /// [`default_graph_sizes`](crate::default_graph_sizes). Each graph keeps the activations
+    /// of a forward of its size on the device.
+    pub cuda_graph_sizes: Option<Vec<usize>>,
+    /// Off CUDA, run steps through the graphs' padded layout, eagerly (tests of the graph path
+    /// on CPUs; `cubecl-cpu` only).
+    pub emulate_graphs: bool,
     /// Reuse the KV blocks of shared prompt prefixes.
     pub enable_prefix_caching: bool,
     /// Seed from which requests without their own seed get one.
@@ -50,6 +60,8 @@ impl Default for EngineConfig {
             gpu_memory_utilization: 0.9,
             cpu_kv_cache_bytes: 256 << 20,
             enforce_eager: false,
+            cuda_graph_sizes: None,
+            emulate_graphs: false,
             enable_prefix_caching: true,
             seed: 0,
             record_steps: false,
@@ -64,6 +76,22 @@ impl EngineConfig {
             DeviceKind::Cuda(_) => DType::BF16,
             _ => DType::F32,
         })
+    }
+
+    /// The step-graph token counts: none with `enforce_eager`, none off CUDA unless
+    /// `emulate_graphs`, else `cuda_graph_sizes` or the default for the batch limits.
+    pub fn graph_sizes(&self) -> Vec<usize> {
+        let graphs = matches!(self.device, DeviceKind::Cuda(_)) || self.emulate_graphs;
+        if self.enforce_eager || !graphs {
+            return Vec::new();
+        }
+        match &self.cuda_graph_sizes {
+            Some(sizes) => sizes.clone(),
+            None => crate::cuda_graph::default_graph_sizes(
+                self.max_num_seqs,
+                self.max_num_batched_tokens,
+            ),
+        }
     }
 
     /// Checks the options' ranges; the error names the option.
@@ -95,6 +123,29 @@ impl EngineConfig {
         }
         if self.num_kv_blocks == Some(0) {
             return Err(c("num_kv_blocks", "must be at least 1".to_string()));
+        }
+        if let Some(sizes) = &self.cuda_graph_sizes {
+            if let Some(&bad) = sizes
+                .iter()
+                .find(|&&s| s == 0 || s > self.max_num_batched_tokens)
+            {
+                return Err(c(
+                    "cuda_graph_sizes",
+                    format!(
+                        "{bad} is outside 1..=max_num_batched_tokens ({})",
+                        self.max_num_batched_tokens
+                    ),
+                ));
+            }
+        }
+        if self.emulate_graphs && self.device != DeviceKind::CubeclCpu {
+            return Err(c(
+                "emulate_graphs",
+                format!(
+                    "emulates CUDA graphs on cubecl-cpu only (device {:?})",
+                    self.device
+                ),
+            ));
         }
         self.device
             .supports_dtype(self.dtype())

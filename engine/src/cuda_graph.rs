@@ -1,35 +1,284 @@
-//! Decode steps replayed as CUDA graphs, one per batch-size bucket.
+//! Steps replayed as CUDA graphs, one per token-count bucket: decode steps and mixed steps
+//! (decode rows with prefill chunks) alike, as vLLM V1's full graphs.
 //!
-//! Each bucket owns stable input buffers (token ids, positions, slots, context lengths and the
-//! block tables as one flat `[bucket · width]` buffer, `width = ceil(max_model_len /
-//! block_size)`) and a graph captured over a whole decode forward that reads them; a step
-//! writes its rows into the smallest bucket that holds them (padding rows: token 0, position 0,
-//! no KV write, a one-key context in block 0), replays it and reads the logits of its rows. The
-//! decode kernel's context split is captured for `max_model_len` (`with_context_bound`), so a
-//! graph captured at short contexts stays valid as they grow.
+//! A graph of bucket `T` serves any step of at most `T` tokens (the [`Capacity`] below): up to
+//! `min(T, max_num_seqs)` decode rows, up to `min(T / 2, max_num_seqs)` prefill chunks (a chunk
+//! has two tokens or more: a one-token chunk is a decode row) and up to `min(T, max_num_seqs)`
+//! rows that sample. Its inputs are stable device buffers (`i32`), rewritten before each
+//! replay: token ids, positions and cache slots `[T]`; the decode rows' block tables
+//! `[D · width]` and contexts `[D]`; the prefill chunks' block tables `[P · width]`, contexts
+//! `[P]`, row offsets `[P + 1]` and query tiles `[tiles · 2]`; the sampled rows `[S]`. Token rows
+//! are the step's decode rows, then its prefill chunks, then padding; `width =
+//! ceil(max_model_len / block_size)`.
+//!
+//! Padding never reaches anything a request sees: padding tokens (id 0, position 0) have slot
+//! −1, so the KV write skips them; padding decode rows have context 0 and padding tiles
+//! sequence −1, so the attention kernels neither read nor write for them; the products compute
+//! garbage in padding rows (row by row: no other row reads it); the LM head reads only the
+//! sampled rows, and padding sample rows (row 0) are sliced off before sampling. The decode
+//! kernel's context split is captured for `max_model_len`, so a graph stays valid as contexts
+//! grow.
+//!
+//! Off CUDA, [`StepGraphs`] can *emulate* the graphs: the same buffers and padded forward,
+//! run eagerly instead of replayed (`EngineConfig::emulate_graphs`), so that CPU tests cover
+//! the layout, the padding and the kernels' skips.
 
 use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
 
 use burn::backend::{Backend, BackendGraph, Dispatch};
 use burn::tensor::{DType, Device, Int, Tensor, TensorData};
-use cubecl_kernels::{AttentionMetadata, DecodeTensors, MetadataTensors, write_ints};
+use cubecl_kernels::{
+    AttentionMetadata, DecodeTensors, MetadataTensors, PrefillTensors, TileCache, write_ints,
+};
 use model_qwen2::{KvCache, LogitsRows, Qwen2Model};
 
 use crate::error::{EngineError, Result};
 use crate::model_runner::StepSeq;
 
-/// One bucket: its input buffers, the captured graph, its output and what the graph reads
-/// (kept alive as long as the graph: a replay uses their buffers).
-struct DecodeGraph {
-    batch: usize,
-    input_ids: Tensor<1, Int>,
+/// What one graph holds.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) struct Capacity {
+    /// Token rows `T`.
+    pub tokens: usize,
+    /// Decode rows `D`.
+    pub decodes: usize,
+    /// Prefill chunks `P`.
+    pub prefills: usize,
+    /// Query tiles of the prefill kernel.
+    pub tiles: usize,
+    /// Rows that sample `S`.
+    pub samples: usize,
+}
+
+impl Capacity {
+    /// The capacity of bucket `tokens` with `tile_rows`-query prefill tiles.
+    pub(crate) fn new(tokens: usize, max_num_seqs: usize, tile_rows: usize) -> Self {
+        let prefills = (tokens / 2).min(max_num_seqs);
+        Self {
+            tokens,
+            decodes: tokens.min(max_num_seqs),
+            prefills,
+            // Each chunk ends at most one partial tile.
+            tiles: if prefills == 0 {
+                0
+            } else {
+                tokens.div_ceil(tile_rows) + prefills
+            },
+            samples: tokens.min(max_num_seqs),
+        }
+    }
+}
+
+/// The host values of a graph's input buffers for one step (see the module doc).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub(crate) struct StepInputs {
+    pub ids: Vec<i32>,
+    pub positions: Vec<i32>,
+    pub slots: Vec<i32>,
+    pub decode_tables: Vec<i32>,
+    pub decode_context: Vec<i32>,
+    pub prefill_tables: Vec<i32>,
+    pub prefill_context: Vec<i32>,
+    pub cu_seqlens: Vec<i32>,
+    pub tiles: Vec<i32>,
+    pub sample_rows: Vec<i32>,
+    /// Rows of the logits that are real (the rest are padding).
+    pub num_samples: usize,
+}
+
+impl StepInputs {
+    /// The padded inputs of `seqs` (decode rows first: one new token each; then prefill chunks)
+    /// in a graph of capacity `cap`, or `None` when the step does not fit. Fails on a block
+    /// table wider than `width`.
+    pub(crate) fn new(
+        seqs: &[StepSeq<'_>],
+        cap: Capacity,
+        width: usize,
+        block_size: usize,
+        tile_rows: usize,
+    ) -> Result<Option<Self>> {
+        let tokens: usize = seqs.iter().map(|s| s.num_new_tokens).sum();
+        let decodes = seqs.iter().take_while(|s| s.num_new_tokens == 1).count();
+        let prefills = seqs.len() - decodes;
+        let samples = seqs.iter().filter(|s| s.samples).count();
+        let tiles: usize = seqs[decodes..]
+            .iter()
+            .map(|s| s.num_new_tokens.div_ceil(tile_rows))
+            .sum();
+        if tokens > cap.tokens
+            || decodes > cap.decodes
+            || prefills > cap.prefills
+            || tiles > cap.tiles
+            || samples > cap.samples
+        {
+            return Ok(None);
+        }
+        let mut x = Self {
+            ids: vec![0; cap.tokens],
+            positions: vec![0; cap.tokens],
+            slots: vec![-1; cap.tokens],
+            decode_tables: vec![0; cap.decodes * width],
+            decode_context: vec![0; cap.decodes],
+            prefill_tables: vec![0; cap.prefills * width],
+            prefill_context: vec![0; cap.prefills],
+            cu_seqlens: vec![tokens as i32; cap.prefills + 1],
+            tiles: [-1, 0].repeat(cap.tiles),
+            sample_rows: vec![0; cap.samples],
+            num_samples: samples,
+        };
+        let (mut row, mut sample, mut tile) = (0, 0, 0);
+        for (i, s) in seqs.iter().enumerate() {
+            if s.block_table.len() > width {
+                return Err(EngineError::Device(format!(
+                    "a sequence holds {} blocks, more than the graphs' {width}",
+                    s.block_table.len()
+                )));
+            }
+            let start = s.num_computed_tokens;
+            for p in start..start + s.num_new_tokens {
+                x.ids[row] = s.token_ids[p] as i32;
+                x.positions[row] = p as i32;
+                x.slots[row] =
+                    (s.block_table[p / block_size] as usize * block_size + p % block_size) as i32;
+                row += 1;
+            }
+            if s.samples {
+                x.sample_rows[sample] = row as i32 - 1;
+                sample += 1;
+            }
+            let context = (start + s.num_new_tokens) as i32;
+            let (tables, r) = if i < decodes {
+                x.decode_context[i] = context;
+                (&mut x.decode_tables, i)
+            } else {
+                let p = i - decodes;
+                x.prefill_context[p] = context;
+                x.cu_seqlens[p] = (row - s.num_new_tokens) as i32;
+                for q0 in (0..s.num_new_tokens).step_by(tile_rows) {
+                    x.tiles[2 * tile] = p as i32;
+                    x.tiles[2 * tile + 1] = q0 as i32;
+                    tile += 1;
+                }
+                (&mut x.prefill_tables, p)
+            };
+            for (j, &b) in s.block_table.iter().enumerate() {
+                tables[r * width + j] = b as i32;
+            }
+        }
+        Ok(Some(x))
+    }
+}
+
+/// The stable device buffers of one graph.
+struct Buffers {
+    ids: Tensor<1, Int>,
     positions: Tensor<1, Int>,
     slots: Tensor<1, Int>,
-    context_lens: Tensor<1, Int>,
-    tables: Tensor<1, Int>,
-    graph: BackendGraph<Dispatch>,
-    logits: Tensor<2>,
-    _meta: AttentionMetadata,
+    decode_tables: Tensor<1, Int>,
+    decode_context: Tensor<1, Int>,
+    prefill_tables: Tensor<1, Int>,
+    prefill_context: Tensor<1, Int>,
+    cu_seqlens: Tensor<1, Int>,
+    tiles: Tensor<1, Int>,
+    sample_rows: Tensor<1, Int>,
+}
+
+impl Buffers {
+    fn new(x: &StepInputs, device: &Device) -> Self {
+        let ints = |v: &[i32]| {
+            Tensor::<1, Int>::from_data(
+                TensorData::new(v.to_vec(), [v.len()]),
+                (device, DType::I32),
+            )
+        };
+        Self {
+            ids: ints(&x.ids),
+            positions: ints(&x.positions),
+            slots: ints(&x.slots),
+            decode_tables: ints(&x.decode_tables),
+            decode_context: ints(&x.decode_context),
+            prefill_tables: ints(&x.prefill_tables),
+            prefill_context: ints(&x.prefill_context),
+            cu_seqlens: ints(&x.cu_seqlens),
+            tiles: ints(&x.tiles),
+            sample_rows: ints(&x.sample_rows),
+        }
+    }
+
+    /// Rewrites every buffer in place.
+    fn write(&mut self, x: &StepInputs) -> Result<()> {
+        for (dst, values) in [
+            (&mut self.ids, &x.ids),
+            (&mut self.positions, &x.positions),
+            (&mut self.slots, &x.slots),
+            (&mut self.decode_tables, &x.decode_tables),
+            (&mut self.decode_context, &x.decode_context),
+            (&mut self.prefill_tables, &x.prefill_tables),
+            (&mut self.prefill_context, &x.prefill_context),
+            (&mut self.cu_seqlens, &x.cu_seqlens),
+            (&mut self.tiles, &x.tiles),
+            (&mut self.sample_rows, &x.sample_rows),
+        ] {
+            if !values.is_empty() {
+                write_ints(dst, values)?;
+            }
+        }
+        Ok(())
+    }
+
+    /// The padded layout the forward reads, over these buffers.
+    fn metadata(
+        &self,
+        cap: Capacity,
+        width: usize,
+        block_size: usize,
+        tile_rows: usize,
+        max_model_len: usize,
+    ) -> AttentionMetadata {
+        let tensors = MetadataTensors {
+            slot_mapping: self.slots.clone(),
+            positions: self.positions.clone(),
+            decode: (cap.decodes > 0).then(|| DecodeTensors {
+                block_tables: self.decode_tables.clone().reshape([cap.decodes, width]),
+                context_lens: self.decode_context.clone(),
+            }),
+            prefill: (cap.prefills > 0).then(|| PrefillTensors {
+                block_tables: self.prefill_tables.clone().reshape([cap.prefills, width]),
+                context_lens: self.prefill_context.clone(),
+                cu_seqlens_q: self.cu_seqlens.clone(),
+                query_lens: Arc::new(Vec::new()),
+                tiles: Arc::new(TileCache::fixed(
+                    tile_rows,
+                    self.tiles.clone().reshape([cap.tiles, 2]),
+                )),
+            }),
+        };
+        // The positions bound the RoPE-table check: cover every future one.
+        AttentionMetadata::padded(
+            cap.tokens,
+            block_size,
+            max_model_len,
+            max_model_len - 1,
+            tensors,
+        )
+    }
+}
+
+/// How a graph's step runs.
+enum Replay {
+    /// A captured hardware graph; its output buffer, rewritten by every replay.
+    Captured(BackendGraph<Dispatch>, Tensor<2>),
+    /// The padded forward run eagerly (emulation off CUDA).
+    Eager,
+}
+
+/// One bucket.
+struct StepGraph {
+    cap: Capacity,
+    buffers: Buffers,
+    meta: AttentionMetadata,
+    replay: Replay,
 }
 
 /// Records `forward` as a hardware graph: a few warm-up runs (autotuning, fused-kernel
@@ -38,7 +287,7 @@ struct DecodeGraph {
 fn capture(
     device: &Device,
     mut forward: impl FnMut() -> Tensor<2>,
-) -> Result<(BackendGraph<Dispatch>, Tensor<2>), String> {
+) -> std::result::Result<(BackendGraph<Dispatch>, Tensor<2>), String> {
     let d = device.as_dispatch();
     let err = |what: &str, e: &dyn std::fmt::Debug| format!("{what}: {e:?}");
     Dispatch::graph_prepare(d).map_err(|e| err("prepare", &e))?;
@@ -54,13 +303,17 @@ fn capture(
     Ok((graph, out))
 }
 
-/// The captured decode graphs of a model, by batch size.
-pub(crate) struct DecodeGraphs {
-    graphs: Vec<DecodeGraph>,
+/// A captured (or emulated) graph per token bucket.
+pub(crate) struct StepGraphs {
+    graphs: Vec<StepGraph>,
+    model: Arc<Qwen2Model>,
+    cache: Arc<Mutex<KvCache>>,
     device: Device,
     width: usize,
     block_size: usize,
+    tile_rows: usize,
     failures: Vec<String>,
+    captured: Vec<GraphCapture>,
     timings: GraphTimings,
 }
 
@@ -68,109 +321,139 @@ pub(crate) struct DecodeGraphs {
 #[derive(Clone, Copy, Debug, Default, PartialEq)]
 pub struct GraphTimings {
     /// Building the input rows.
-    pub build: std::time::Duration,
+    pub build: Duration,
     /// Writing them into the graph's buffers.
-    pub write: std::time::Duration,
+    pub write: Duration,
     /// Launching the replay.
-    pub replay: std::time::Duration,
+    pub replay: Duration,
 }
 
-/// Batch sizes to capture up to `max_num_seqs`: 1, 8, 32, then four steps up to
-/// `max_num_seqs` (64, 128, 192, 256 for 256). Seven graphs: on the H100 CubeCL 0.11 refused
-/// every capture after the seventh of a process (its pools could not serve the recorded run:
-/// "no page may be added"), in either order; a padded row costs little next to that.
-pub(crate) fn bucket_sizes(max_num_seqs: usize) -> Vec<usize> {
-    let step = (max_num_seqs / 4).next_multiple_of(32).max(64);
-    let mut sizes: Vec<usize> = [1, 8, 32]
+/// What capturing one graph took.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct GraphCapture {
+    /// The bucket's token count.
+    pub tokens: usize,
+    /// Wall time of the warm-up runs and the capture.
+    pub time: Duration,
+    /// Device memory it took (free memory before − after, CUDA), bytes.
+    pub bytes: Option<usize>,
+}
+
+/// Token counts of the default graphs for `max_num_seqs` and `max_num_batched_tokens`: decode
+/// sizes 1, 8, 32, 128 and `max_num_seqs`, and mixed-step sizes 512, 1024 and 2048 (at most
+/// `max_num_batched_tokens`). Larger steps are cut to the largest by the scheduler; each graph
+/// pins the activations of a whole forward of its size.
+pub fn default_graph_sizes(max_num_seqs: usize, max_num_batched_tokens: usize) -> Vec<usize> {
+    let mut sizes: Vec<usize> = [1, 8, 32, 128, max_num_seqs, 512, 1024, 2048]
         .into_iter()
-        .chain((1..).map(|k| k * step).take_while(|&b| b < max_num_seqs))
-        .filter(|&b| b < max_num_seqs)
+        .filter(|&s| s <= max_num_batched_tokens)
         .collect();
-    sizes.push(max_num_seqs);
+    sizes.sort_unstable();
+    sizes.dedup();
     sizes
 }
 
-fn ints(values: Vec<i32>, device: &Device) -> Tensor<1, Int> {
-    let n = values.len();
-    Tensor::from_data(TensorData::new(values, [n]), (device, DType::I32))
-}
-
-impl DecodeGraphs {
-    /// Captures one graph per size in `sizes`. Fails with the backend's reason when a capture
-    /// is refused.
-    pub(crate) fn capture(
-        model: &Arc<Qwen2Model>,
-        cache: &Arc<Mutex<KvCache>>,
+impl StepGraphs {
+    /// One graph per size in `sizes`: captured on CUDA (`emulate` false), else the padded
+    /// forward run eagerly. Fails when no graph could be made.
+    #[allow(clippy::too_many_arguments)]
+    pub(crate) fn new(
+        model: Arc<Qwen2Model>,
+        cache: Arc<Mutex<KvCache>>,
         device: &Device,
         sizes: &[usize],
-        block_size: usize,
+        max_num_seqs: usize,
         max_model_len: usize,
+        emulate: bool,
+        cuda_index: Option<usize>,
     ) -> Result<Self> {
+        let block_size = cache.lock().expect("KV cache lock").block_size();
         let width = max_model_len.div_ceil(block_size);
-        let mut graphs = Vec::with_capacity(sizes.len());
-        let mut failures = Vec::new();
-        // Largest first: its warm-up grows the pools the most.
-        for &b in sizes.iter().rev() {
-            let input_ids = ints(vec![0; b], device);
-            let positions = ints(vec![0; b], device);
-            let slots = ints(vec![-1; b], device);
-            let context_lens = ints(vec![1; b], device);
-            let tables = ints(vec![0; b * width], device);
-            let meta = AttentionMetadata::from_parts(
-                vec![1; b],
-                vec![1; b],
-                vec![vec![0]; b],
-                block_size,
-                vec![-1; b],
-                // The host positions only bound the RoPE-table check: cover every future one.
-                vec![max_model_len as i64 - 1; b],
-                MetadataTensors {
-                    slot_mapping: slots.clone(),
-                    positions: positions.clone(),
-                    decode: Some(DecodeTensors {
-                        block_tables: tables.clone().reshape([b, width]),
-                        context_lens: context_lens.clone(),
-                    }),
-                    prefill: None,
-                },
+        let c = &model.config;
+        let tile_rows = cubecl_kernels::prefill_tile_rows(
+            device,
+            model.dtype(),
+            c.num_attention_heads,
+            c.num_key_value_heads,
+            c.head_dim,
+        )
+        .ok_or_else(|| {
+            EngineError::config(
+                "emulate_graphs",
+                "step graphs need a CubeCL device (cuda or cubecl-cpu)".into(),
             )
-            .with_context_bound(max_model_len);
-            let captured = capture(device, || {
-                let mut cache = cache.lock().expect("KV cache lock");
-                model.forward(input_ids.clone(), &meta, &mut cache, LogitsRows::All)
-            });
-            if let Err(e) = &captured {
-                failures.push(format!("batch {b}: {e}"));
-            }
-            if let Ok((graph, logits)) = captured {
-                graphs.push(DecodeGraph {
-                    batch: b,
-                    input_ids,
-                    positions,
-                    slots,
-                    context_lens,
-                    tables,
-                    graph,
-                    logits,
-                    _meta: meta,
-                });
-            }
-        }
-        if graphs.is_empty() {
-            return Err(EngineError::Device(format!(
-                "no decode graph could be captured: {}",
-                failures.join("; ")
-            )));
-        }
-        graphs.sort_by_key(|g| g.batch);
-        Ok(Self {
-            graphs,
+        })?;
+        let mut this = Self {
+            graphs: Vec::new(),
+            model,
+            cache,
             device: device.clone(),
             width,
             block_size,
-            failures,
+            tile_rows,
+            failures: Vec::new(),
+            captured: Vec::new(),
             timings: GraphTimings::default(),
-        })
+        };
+        let mut sizes = sizes.to_vec();
+        sizes.sort_unstable();
+        sizes.dedup();
+        // Largest first: its warm-up grows the pools the most.
+        for &tokens in sizes.iter().rev() {
+            let cap = Capacity::new(tokens, max_num_seqs, tile_rows);
+            let idle = StepInputs::new(&[], cap, width, block_size, tile_rows)?
+                .expect("an empty step fits");
+            let buffers = Buffers::new(&idle, device);
+            let meta = buffers.metadata(cap, width, block_size, tile_rows, max_model_len);
+            let replay = if emulate {
+                Replay::Eager
+            } else {
+                let before = cuda_index.and_then(crate::memory::cuda_memory);
+                let start = Instant::now();
+                let captured = capture(device, || this.forward(&buffers, &meta));
+                let after = cuda_index.and_then(crate::memory::cuda_memory);
+                match captured {
+                    Ok((graph, logits)) => {
+                        this.captured.push(GraphCapture {
+                            tokens,
+                            time: start.elapsed(),
+                            bytes: before.zip(after).map(|(b, a)| b.0.saturating_sub(a.0)),
+                        });
+                        Replay::Captured(graph, logits)
+                    }
+                    Err(e) => {
+                        this.failures.push(format!("{tokens} tokens: {e}"));
+                        continue;
+                    }
+                }
+            };
+            this.graphs.push(StepGraph {
+                cap,
+                buffers,
+                meta,
+                replay,
+            });
+        }
+        if this.graphs.is_empty() {
+            return Err(EngineError::Device(format!(
+                "no step graph could be captured: {}",
+                this.failures.join("; ")
+            )));
+        }
+        this.graphs.sort_by_key(|g| g.cap.tokens);
+        this.captured.reverse();
+        Ok(this)
+    }
+
+    /// The padded forward over a graph's buffers: logits `[S, V]` (f32) of its sample rows.
+    fn forward(&self, buffers: &Buffers, meta: &AttentionMetadata) -> Tensor<2> {
+        let mut cache = self.cache.lock().expect("KV cache lock");
+        self.model.forward(
+            buffers.ids.clone(),
+            meta,
+            &mut cache,
+            LogitsRows::Rows(Box::new(buffers.sample_rows.clone())),
+        )
     }
 
     /// Host time of the graph steps so far.
@@ -178,66 +461,60 @@ impl DecodeGraphs {
         self.timings
     }
 
-    /// Buckets that could not be captured, with the backend's reason (their steps take the
-    /// next larger graph, or run eagerly).
+    /// Buckets that could not be captured, with the backend's reason.
     pub(crate) fn failures(&self) -> &[String] {
         &self.failures
     }
 
-    /// The captured sizes.
-    pub(crate) fn sizes(&self) -> Vec<usize> {
-        self.graphs.iter().map(|g| g.batch).collect()
+    /// Each captured graph's bucket, time and memory.
+    pub(crate) fn captured(&self) -> &[GraphCapture] {
+        &self.captured
     }
 
-    /// Runs a decode step of `seqs` (one new token each) through the smallest graph that holds
-    /// it; returns the logits `[seqs.len(), V]` (f32), or `None` when no graph is large enough.
+    /// The token counts served.
+    pub(crate) fn sizes(&self) -> Vec<usize> {
+        self.graphs.iter().map(|g| g.cap.tokens).collect()
+    }
+
+    /// Runs the step `seqs` (decode rows first) through the smallest graph that holds it;
+    /// returns the logits `[rows that sample, V]` (f32; all `S` rows, padding included, when
+    /// none samples), or `None` when no graph holds it.
     pub(crate) fn run(&mut self, seqs: &[StepSeq<'_>]) -> Result<Option<Tensor<2>>> {
-        let n = seqs.len();
-        let Some(g) = self.graphs.iter_mut().find(|g| g.batch >= n) else {
-            return Ok(None);
-        };
-        let (b, width, bs) = (g.batch, self.width, self.block_size);
-        let start = std::time::Instant::now();
-        let mut ids = vec![0i32; b];
-        let mut positions = vec![0i32; b];
-        let mut slots = vec![-1i32; b];
-        let mut context = vec![1i32; b];
-        let mut tables = vec![0i32; b * width];
-        for (r, s) in seqs.iter().enumerate() {
-            let pos = s.num_computed_tokens;
-            if s.block_table.len() > width {
-                return Err(EngineError::Device(format!(
-                    "a sequence holds {} blocks, more than the graphs' {width}",
-                    s.block_table.len()
-                )));
-            }
-            ids[r] = s.token_ids[pos] as i32;
-            positions[r] = pos as i32;
-            slots[r] = (s.block_table[pos / bs] as usize * bs + pos % bs) as i32;
-            context[r] = (pos + 1) as i32;
-            for (j, &blk) in s.block_table.iter().enumerate() {
-                tables[r * width + j] = blk as i32;
+        let start = Instant::now();
+        let (width, bs, rows) = (self.width, self.block_size, self.tile_rows);
+        let mut found = None;
+        for (i, g) in self.graphs.iter().enumerate() {
+            if let Some(x) = StepInputs::new(seqs, g.cap, width, bs, rows)? {
+                found = Some((i, x));
+                break;
             }
         }
-        let built = std::time::Instant::now();
-        write_ints(&mut g.input_ids, &ids)?;
-        write_ints(&mut g.positions, &positions)?;
-        write_ints(&mut g.slots, &slots)?;
-        write_ints(&mut g.context_lens, &context)?;
-        write_ints(&mut g.tables, &tables)?;
-        let written = std::time::Instant::now();
-        // SAFETY: the graph reads the buffers above and the metadata (kept alive with it), the
-        // model's weights and the KV cache (kept alive by the runner that owns these graphs),
-        // and writes its pinned intermediates and output; everything runs on the one device
-        // stream, and the logits are read (by the sampler) before the next replay.
-        unsafe { Dispatch::graph_replay(self.device.as_dispatch(), &g.graph) }
-            .map_err(|e| EngineError::Device(format!("decode graph replay: {e:?}")))?;
-        let logits = g.logits.clone();
+        let Some((i, inputs)) = found else {
+            return Ok(None);
+        };
+        let built = Instant::now();
+        self.graphs[i].buffers.write(&inputs)?;
+        let written = Instant::now();
+        let g = &self.graphs[i];
+        let logits = match &g.replay {
+            Replay::Captured(graph, logits) => {
+                // SAFETY: the graph reads the buffers just written and the metadata views of
+                // them (kept alive with it), the model's weights and the KV cache (kept alive
+                // by `self`), and writes its pinned intermediates and output; everything runs
+                // on the one device stream, and the logits are read (by the sampler) before
+                // the next replay.
+                unsafe { Dispatch::graph_replay(self.device.as_dispatch(), graph) }
+                    .map_err(|e| EngineError::Device(format!("step graph replay: {e:?}")))?;
+                logits.clone()
+            }
+            Replay::Eager => self.forward(&g.buffers, &g.meta),
+        };
         let t = &mut self.timings;
         t.build += built - start;
         t.write += written - built;
         t.replay += written.elapsed();
-        Ok(Some(if n == b {
+        let n = inputs.num_samples;
+        Ok(Some(if n == g.cap.samples || n == 0 {
             logits
         } else {
             logits.slice_dim(0, 0..n)

@@ -35,10 +35,12 @@ pub struct EngineLimits {
     pub block_size: usize,
     /// Compute dtype.
     pub dtype: DType,
-    /// Batch sizes with a captured decode graph (empty: eager).
+    /// Token counts with a step graph (empty: eager).
     pub graph_sizes: Vec<usize>,
     /// Buckets whose capture the backend refused, with its reason.
     pub graph_failures: Vec<String>,
+    /// Each captured graph's bucket, capture time and device memory.
+    pub graph_captures: Vec<crate::GraphCapture>,
 }
 
 /// The inference engine over one model on one device.
@@ -135,7 +137,8 @@ impl LLMEngine {
             config.device,
             config.max_num_seqs,
             max_model_len,
-            !config.enforce_eager,
+            &config.graph_sizes(),
+            config.emulate_graphs,
         )?;
         let scheduler = Scheduler::new(
             SchedulerLimits {
@@ -147,7 +150,9 @@ impl LLMEngine {
                 config.block_size,
                 config.enable_prefix_caching,
             ),
-        );
+        )
+        // Steps shaped to the graphs that were captured.
+        .with_step_sizes(runner.graph_sizes());
         let limits = EngineLimits {
             max_model_len,
             num_kv_blocks,
@@ -155,6 +160,7 @@ impl LLMEngine {
             dtype,
             graph_sizes: runner.graph_sizes(),
             graph_failures: runner.graph_failures(),
+            graph_captures: runner.graph_captures(),
         };
         Ok(Self {
             rng: StdRng::seed_from_u64(config.seed),
@@ -665,14 +671,7 @@ fn size_kv_pool(
     let (free, total) = memory::cuda_memory(index)
         .ok_or_else(|| EngineError::Device("cannot read the GPU's free memory".into()))?;
     let reserved = (total as f64 * (1.0 - config.gpu_memory_utilization as f64)) as usize;
-    let graphs = if config.enforce_eager {
-        0
-    } else {
-        crate::cuda_graph::bucket_sizes(config.max_num_seqs)
-            .iter()
-            .sum::<usize>()
-            * memory::graph_bytes_per_row(c, dtype.size())
-    };
+    let graphs = memory::graph_bytes(c, dtype.size(), &config.graph_sizes(), config.max_num_seqs);
     let budget = free
         .saturating_sub(reserved)
         .saturating_sub(graphs)

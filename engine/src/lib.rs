@@ -34,7 +34,7 @@ pub mod sequence;
 pub use block_manager::BlockManager;
 pub use config::EngineConfig;
 pub use cubecl_kernels::DeviceKind;
-pub use cuda_graph::GraphTimings;
+pub use cuda_graph::{GraphCapture, GraphTimings, default_graph_sizes};
 pub use engine::{EngineLimits, LLMEngine};
 pub use error::{EngineError, Result};
 pub use model_runner::{ModelRunner, RunnerStats};

@@ -39,16 +39,27 @@ pub fn cuda_device_name(_index: usize) -> Option<String> {
     None
 }
 
-/// Bytes the decode graphs keep pinned per batch row beyond the KV pool: a recorded run
-/// cannot reuse the buffers it frees, so every activation of every layer stays, with the f32
-/// and model-dtype logits; doubled for the pools' page granularity.
-pub fn graph_bytes_per_row(config: &Qwen2Config, dtype_size: usize) -> usize {
+/// Bytes the step graphs of token counts `sizes` keep pinned beyond the KV pool: a graph
+/// keeps the pages its recorded run touched, at most every activation of every layer for each
+/// of its tokens and the f32 and model-dtype logits of its sample rows (`min(size,
+/// max_num_seqs)`); half as much again for the pools' page granularity.
+pub fn graph_bytes(
+    config: &Qwen2Config,
+    dtype_size: usize,
+    sizes: &[usize],
+    max_num_seqs: usize,
+) -> usize {
     let per_layer = (config.q_size() + 2 * config.kv_size())
         + 3 * config.q_size()
         + 3 * config.hidden_size
         + 3 * config.intermediate_size;
-    2 * (config.vocab_size * (4 + dtype_size)
-        + config.num_hidden_layers * per_layer * dtype_size.max(4))
+    let per_token = config.num_hidden_layers * per_layer * dtype_size;
+    let per_sample = config.vocab_size * (4 + dtype_size);
+    let bytes: usize = sizes
+        .iter()
+        .map(|&t| t * per_token + t.min(max_num_seqs) * per_sample)
+        .sum();
+    bytes * 3 / 2
 }
 
 /// Blocks that fit in `budget` bytes.

@@ -1,6 +1,7 @@
 //! Runs the model over a scheduled step: builds the flattened batch (token ids, positions,
-//! slots, context lengths, block tables; decode rows first), runs the forward pass eagerly or
-//! replays a captured decode graph, and returns the logits of the rows that sample.
+//! slots, context lengths, block tables; decode rows first), replays the captured step graph of
+//! the smallest token bucket that holds it (decode and mixed steps alike) or runs the forward
+//! pass eagerly, and returns the logits of the rows that sample.
 
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
@@ -9,7 +10,7 @@ use burn::tensor::{DType, Device, Int, Tensor, TensorData};
 use cubecl_kernels::{AttentionMetadata, DeviceKind};
 use model_qwen2::{KvCache, LogitsRows, Qwen2Model};
 
-use crate::cuda_graph::{DecodeGraphs, GraphTimings, bucket_sizes};
+use crate::cuda_graph::{GraphCapture, GraphTimings, StepGraphs};
 use crate::error::Result;
 
 /// One sequence's part of a step, as the runner needs it.
@@ -46,13 +47,15 @@ pub struct ModelRunner {
     cache: Arc<Mutex<KvCache>>,
     device: Device,
     block_size: usize,
-    graphs: Option<DecodeGraphs>,
+    graphs: Option<StepGraphs>,
     stats: RunnerStats,
 }
 
 impl ModelRunner {
-    /// Wraps a model and its allocated KV cache. With `graphs`, decode steps of up to
-    /// `max_num_seqs` sequences are captured as CUDA graphs (on CUDA devices only).
+    /// Wraps a model and its allocated KV cache. With `graph_sizes`, steps of up to the
+    /// largest of those token counts run as CUDA graphs (on CUDA devices; elsewhere only with
+    /// `emulate_graphs`, which runs the graphs' padded forward eagerly).
+    #[allow(clippy::too_many_arguments)]
     pub fn new(
         model: Arc<Qwen2Model>,
         cache: KvCache,
@@ -60,18 +63,25 @@ impl ModelRunner {
         device_kind: DeviceKind,
         max_num_seqs: usize,
         max_model_len: usize,
-        graphs: bool,
+        graph_sizes: &[usize],
+        emulate_graphs: bool,
     ) -> Result<Self> {
         let block_size = cache.block_size();
         let cache = Arc::new(Mutex::new(cache));
-        let graphs = if graphs && matches!(device_kind, DeviceKind::Cuda(_)) {
-            Some(DecodeGraphs::capture(
-                &model,
-                &cache,
+        let cuda = match device_kind {
+            DeviceKind::Cuda(i) => Some(i),
+            _ => None,
+        };
+        let graphs = if !graph_sizes.is_empty() && (cuda.is_some() || emulate_graphs) {
+            Some(StepGraphs::new(
+                model.clone(),
+                cache.clone(),
                 &device,
-                &bucket_sizes(max_num_seqs),
-                block_size,
+                graph_sizes,
+                max_num_seqs,
                 max_model_len,
+                emulate_graphs,
+                cuda,
             )?)
         } else {
             None
@@ -96,19 +106,27 @@ impl ModelRunner {
         &self.device
     }
 
-    /// Batch sizes with a captured decode graph (empty when steps run eagerly).
+    /// Token counts with a step graph (empty when steps run eagerly).
     pub fn graph_sizes(&self) -> Vec<usize> {
         self.graphs
             .as_ref()
-            .map(DecodeGraphs::sizes)
+            .map(StepGraphs::sizes)
             .unwrap_or_default()
     }
 
-    /// Decode-graph buckets that could not be captured, with the reason.
+    /// Step-graph buckets that could not be captured, with the reason.
     pub fn graph_failures(&self) -> Vec<String> {
         self.graphs
             .as_ref()
             .map(|g| g.failures().to_vec())
+            .unwrap_or_default()
+    }
+
+    /// Each captured graph's bucket, capture time and memory.
+    pub fn graph_captures(&self) -> Vec<GraphCapture> {
+        self.graphs
+            .as_ref()
+            .map(|g| g.captured().to_vec())
             .unwrap_or_default()
     }
 
@@ -118,7 +136,7 @@ impl ModelRunner {
             graph_timings: self
                 .graphs
                 .as_ref()
-                .map(DecodeGraphs::timings)
+                .map(StepGraphs::timings)
                 .unwrap_or_default(),
             ..self.stats
         }
@@ -129,14 +147,12 @@ impl ModelRunner {
     /// order, or `None` when none samples.
     pub fn forward(&mut self, seqs: &[StepSeq<'_>]) -> Result<Option<Tensor<2>>> {
         let start = Instant::now();
-        let all_decode = seqs.iter().all(|s| s.num_new_tokens == 1 && s.samples);
-        if all_decode
-            && let Some(graphs) = self.graphs.as_mut()
+        if let Some(graphs) = self.graphs.as_mut()
             && let Some(logits) = graphs.run(seqs)?
         {
             self.stats.graph_steps += 1;
             self.stats.prepare_time += start.elapsed();
-            return Ok(Some(logits));
+            return Ok(seqs.iter().any(|s| s.samples).then_some(logits));
         }
         let bs = self.block_size;
         let mut ids = Vec::with_capacity(seqs.iter().map(|s| s.num_new_tokens).sum());

@@ -4,6 +4,12 @@
 //! what is left of the token budget. One step therefore mixes decode tokens and prefill chunks,
 //! and a long prompt never stalls the running decodes.
 //!
+//! With step sizes (the engine's CUDA-graph buckets, [`Scheduler::with_step_sizes`]), the token
+//! budget of a step is shaped to them: the step's demand (its decodes, the running prompts'
+//! remaining tokens, the prompts waiting for a free place) is cut to the largest size at or
+//! below it while that leaves a prefill token, so that a step fills a graph exactly — chunked
+//! prefill lets a prompt stop anywhere — and only steps smaller than a size are padded.
+//!
 //! When the pool has no block for a running sequence, the newest running sequence is preempted
 //! (its blocks freed — full ones stay in the prefix cache — and it goes back to the front of
 //! the queue, to be recomputed). A sequence that cannot fit even alone fails with an
@@ -70,6 +76,8 @@ pub struct Scheduler {
     running: Vec<RequestId>,
     block_manager: BlockManager,
     num_preemptions: u64,
+    /// Token counts steps are shaped to, ascending (empty: no shaping).
+    step_sizes: Vec<usize>,
 }
 
 impl Scheduler {
@@ -83,7 +91,16 @@ impl Scheduler {
             running: Vec::new(),
             block_manager,
             num_preemptions: 0,
+            step_sizes: Vec::new(),
         }
+    }
+
+    /// Shapes every step's token budget to `sizes` (module doc).
+    pub fn with_step_sizes(mut self, mut sizes: Vec<usize>) -> Self {
+        sizes.sort_unstable();
+        sizes.dedup();
+        self.step_sizes = sizes;
+        self
     }
 
     /// Queues a new sequence.
@@ -156,10 +173,7 @@ impl Scheduler {
             .filter(|id| self.seqs[id].num_new_tokens() == 1)
             .count();
         // Decodes first: the prefill chunks get what the running decodes leave.
-        let mut prefill_budget = self
-            .limits
-            .max_num_batched_tokens
-            .saturating_sub(num_decoding);
+        let mut prefill_budget = self.step_budget(num_decoding).saturating_sub(num_decoding);
         let mut i = 0;
         while i < self.running.len() {
             let id = self.running[i];
@@ -258,6 +272,43 @@ impl Scheduler {
         out.seqs = decodes;
         out.seqs.extend(chunks);
         out
+    }
+
+    /// Tokens the next step may compute: `max_num_batched_tokens`, or shaped to the step sizes
+    /// (module doc). `num_decoding`: running sequences with one token to compute.
+    fn step_budget(&self, num_decoding: usize) -> usize {
+        let max = self.limits.max_num_batched_tokens;
+        let Some(&largest) = self.step_sizes.last() else {
+            return max;
+        };
+        let cap = max.min(largest);
+        if num_decoding >= cap {
+            // No size holds the decodes alone: the step runs unshaped.
+            return max;
+        }
+        let mut demand = num_decoding;
+        for id in &self.running {
+            let n = self.seqs[id].num_new_tokens();
+            if n > 1 {
+                demand += n;
+            }
+        }
+        let bs = self.block_manager.block_size();
+        let mut places = self.limits.max_num_seqs.saturating_sub(self.running.len());
+        for id in &self.waiting {
+            if places == 0 || demand >= cap {
+                break;
+            }
+            let seq = &self.seqs[id];
+            let hit = self.block_manager.find_prefix(&seq.token_ids);
+            demand += seq.num_tokens() - hit.blocks.len() * bs;
+            places -= 1;
+        }
+        let demand = demand.min(cap);
+        match self.step_sizes.iter().rev().find(|&&s| s <= demand) {
+            Some(&size) if size > num_decoding => size,
+            _ => demand,
+        }
     }
 
     /// Moves a running sequence (already out of `running`) back to the front of the queue.

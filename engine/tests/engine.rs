@@ -10,4 +10,5 @@ mod engine {
     mod generation;
     mod sampler;
     mod scheduler;
+    mod step_graphs;
 }

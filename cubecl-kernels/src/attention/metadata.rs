@@ -9,7 +9,6 @@
 use std::sync::{Arc, Mutex};
 
 use burn::tensor::{DType, Device, Int, Tensor, TensorData};
-use burn_cubecl::tensor::CubeTensor;
 
 use crate::KernelError;
 
@@ -38,7 +37,8 @@ pub struct AttentionMetadata {
     pub slot_mapping: Vec<i64>,
     /// Logical position of each new token, `[num_tokens]` (the RoPE position).
     pub positions: Vec<i64>,
-    /// Sequences `0..num_decodes` have one new token each and take the decode kernel.
+    /// Sequences `0..num_decodes` have one new token each and take the decode kernel (for a
+    /// [`Self::padded`] layout: the decode part's rows).
     pub num_decodes: usize,
     /// Longest context the decode launch geometry must cover (at least the batch's longest).
     /// A graph replayed at later steps is captured with `max_model_len` here, so that its
@@ -75,14 +75,15 @@ pub struct DecodeTensors {
     pub context_lens: Tensor<1, Int>,
 }
 
-/// The prefill rows' tables; `cu_seqlens_q` counts from the first prefill token.
+/// The prefill rows' tables. `cu_seqlens_q` are row offsets into the step's tokens: the first
+/// prefill chunk starts after the decode rows.
 #[derive(Clone, Debug)]
 pub struct PrefillTensors {
     /// `[n, max_blocks]`.
     pub block_tables: Tensor<2, Int>,
     /// `[n]`.
     pub context_lens: Tensor<1, Int>,
-    /// Prefix sums of the prefill rows' query lengths, `[n + 1]`.
+    /// `[n + 1]`: sequence `s`'s tokens are rows `cu_seqlens_q[s]..cu_seqlens_q[s + 1]`.
     pub cu_seqlens_q: Tensor<1, Int>,
     /// Host copy of the prefill rows' query lengths (they define the kernel's query tiles).
     pub query_lens: Arc<Vec<usize>>,
@@ -90,9 +91,60 @@ pub struct PrefillTensors {
     pub tiles: Arc<TileCache>,
 }
 
-/// A per-step cache of the prefill kernel's tile list: `(rows per tile, tiles [n, 2] i32)`.
+/// The prefill kernel's tile list of one step, `[num_tiles, 2]` i32 = (sequence, first query),
+/// for tiles of `rows` queries: built from the host query lengths by the first layer that
+/// needs it, or fixed in advance (a captured step's stable buffer, rewritten before each
+/// replay; its padding tiles have sequence −1).
 #[derive(Debug, Default)]
-pub struct TileCache(pub(crate) Mutex<Option<(usize, CubeTensor)>>);
+pub struct TileCache(Mutex<Option<Tiles>>);
+
+#[derive(Debug)]
+struct Tiles {
+    rows: usize,
+    list: Tensor<2, Int>,
+    fixed: bool,
+}
+
+impl TileCache {
+    /// A tile list given in advance, of `rows`-query tiles.
+    pub fn fixed(rows: usize, list: Tensor<2, Int>) -> Self {
+        Self(Mutex::new(Some(Tiles {
+            rows,
+            list,
+            fixed: true,
+        })))
+    }
+
+    /// The list for tiles of `rows` queries over sequences of `query_lens` new tokens.
+    ///
+    /// # Panics
+    /// If the list was fixed for tiles of another height.
+    pub(crate) fn get(&self, rows: usize, query_lens: &[usize], device: &Device) -> Tensor<2, Int> {
+        let mut cached = self.0.lock().expect("tile cache");
+        match &*cached {
+            Some(t) if t.rows == rows => return t.list.clone(),
+            Some(t) if t.fixed => panic!(
+                "the step's tile list was fixed for {}-query tiles, the prefill kernel takes {rows}",
+                t.rows
+            ),
+            _ => {}
+        }
+        let mut flat = Vec::new();
+        for (s, &len) in query_lens.iter().enumerate() {
+            for q0 in (0..len).step_by(rows) {
+                flat.extend([s as i32, q0 as i32]);
+            }
+        }
+        let n = flat.len() / 2;
+        let list = Tensor::from_data(TensorData::new(flat, [n, 2]), (device, DType::I32));
+        *cached = Some(Tiles {
+            rows,
+            list: list.clone(),
+            fixed: false,
+        });
+        list
+    }
+}
 
 impl AttentionMetadata {
     /// Builds the metadata of a batch, computing slots and positions from the block tables.
@@ -154,6 +206,7 @@ impl AttentionMetadata {
             }),
             prefill: (num_decodes < batch).then(|| {
                 PrefillTensors::new(
+                    num_decodes,
                     &query_lens[num_decodes..],
                     &context_lens[num_decodes..],
                     &block_tables[num_decodes..],
@@ -199,6 +252,40 @@ impl AttentionMetadata {
             num_decodes,
             context_bound,
             max_block_id,
+            max_position,
+            tensors,
+        }
+    }
+
+    /// The layout of a step captured as a graph and replayed with new values: `num_tokens`
+    /// token rows (decode rows first, then prefill chunks, then padding), the device tensors
+    /// sized for the most rows and sequences the step may hold and rewritten in place before
+    /// each replay (padding: slot −1, decode context 0, prefill tile sequence −1). The host
+    /// copies describe no batch (empty; `slot_mapping` and `positions` are `num_tokens`
+    /// placeholders): the kernels read the device tensors, the launch geometry comes from
+    /// their sizes, `context_bound` and the prefill part's fixed tile list, and the checks
+    /// from `max_position` (the caller checks block ids before writing them).
+    pub fn padded(
+        num_tokens: usize,
+        block_size: usize,
+        context_bound: usize,
+        max_position: usize,
+        tensors: MetadataTensors,
+    ) -> Self {
+        let num_decodes = tensors
+            .decode
+            .as_ref()
+            .map_or(0, |d| d.context_lens.dims()[0]);
+        Self {
+            query_lens: Vec::new(),
+            context_lens: Vec::new(),
+            block_tables: Vec::new(),
+            block_size,
+            slot_mapping: vec![-1; num_tokens],
+            positions: vec![0; num_tokens],
+            num_decodes,
+            context_bound,
+            max_block_id: None,
             max_position,
             tensors,
         }
@@ -284,7 +371,9 @@ impl AttentionMetadata {
 }
 
 impl PrefillTensors {
+    /// The tables of prefill sequences whose tokens start at row `first_row` of the step.
     fn new(
+        first_row: usize,
         query_lens: &[usize],
         context_lens: &[usize],
         block_tables: &[Vec<u32>],
@@ -293,7 +382,7 @@ impl PrefillTensors {
     ) -> Self {
         let cu: Vec<i32> = prefix_sums(query_lens)
             .into_iter()
-            .map(|v| v as i32)
+            .map(|v| (first_row + v) as i32)
             .collect();
         Self {
             block_tables: table_tensor(block_tables, max_blocks, device),

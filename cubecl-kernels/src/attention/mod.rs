@@ -11,7 +11,7 @@ pub(crate) mod prefill;
 pub mod reference;
 pub(crate) mod store_kv;
 
-use burn::backend::Dispatch;
+use burn::backend::{Dispatch, DispatchDevice};
 use burn::tensor::Shape;
 use burn::tensor::{DType, Tensor};
 use burn_cubecl::{kernel::into_contiguous, ops::numeric::empty_device_dtype, tensor::CubeTensor};
@@ -23,7 +23,7 @@ pub use store_kv::QkvLayout;
 
 use crate::KernelError;
 use crate::device_caps::DeviceCaps;
-use crate::ops::{DecodePlan, KernelOps, PrefillPlan};
+use crate::ops::{AttentionPlan, KernelOps};
 use crate::row_scale::RowScale;
 
 /// Rotary tables: `cos`, `sin` `[max_positions, head_dim / 2]`, f32.
@@ -218,8 +218,9 @@ fn launch_store(
 
 /// Causal attention of each sequence's new tokens over its cached context (the new keys
 /// included: store them first), with grouped-query heads and softmax scale `scale`. The decode
-/// rows (`0..meta.num_decodes`, one token each) take the split-context decode kernel, the others
-/// the prefill kernel; a mixed batch runs both and joins their rows.
+/// rows (`0..meta.num_decodes`, one token each) take the split-context decode kernel, the
+/// prefill chunks after them the prefill kernel; both write one output. For a
+/// [`AttentionMetadata::padded`] layout, the padding rows of the output are left unwritten.
 ///
 /// `q`: `[num_tokens, num_heads, head_dim]` → `[num_tokens, num_heads, head_dim]`.
 pub fn paged_attention(
@@ -249,55 +250,71 @@ pub fn paged_attention(
     if !crate::runs_kernels(&q) {
         return reference::paged_attention(q, cache, meta, scale);
     }
-    let nd = meta.num_decodes;
-    let decode = |q: Tensor<3>| {
-        let part = meta
-            .tensors
-            .decode
-            .as_ref()
-            .expect("decode rows have tables");
-        let plan = DecodePlan {
-            context_bound: meta.context_bound,
-            scale,
-        };
-        Tensor::<3>::from_dispatch(Dispatch::paged_decode(
-            q.into_dispatch(),
-            cache.k.clone().into_dispatch(),
-            cache.v.clone().into_dispatch(),
+    let decode = meta.tensors.decode.as_ref();
+    let prefill = meta.tensors.prefill.as_ref();
+    let tile_rows =
+        prefill.and_then(|_| prefill_tile_rows(&q.device(), q.dtype(), heads, cache.dims()[2], d));
+    let plan = AttentionPlan {
+        scale,
+        decode_context_bound: decode.map(|_| meta.context_bound),
+        prefill_tile_rows: tile_rows,
+    };
+    // Absent parts get placeholders (never read).
+    let placeholder = || meta.tensors.slot_mapping.clone().into_dispatch();
+    let (decode_tables, decode_context) = match decode {
+        Some(part) => (
             part.block_tables.clone().into_dispatch(),
             part.context_lens.clone().into_dispatch(),
-            plan,
-        ))
+        ),
+        None => (placeholder(), placeholder()),
     };
-    let prefill = |q: Tensor<3>| {
-        let part = meta
-            .tensors
-            .prefill
-            .as_ref()
-            .expect("prefill rows have tables");
-        let plan = PrefillPlan {
-            query_lens: part.query_lens.clone(),
-            tiles: part.tiles.clone(),
-            scale,
-        };
-        Tensor::<3>::from_dispatch(Dispatch::paged_prefill(
-            q.into_dispatch(),
-            cache.k.clone().into_dispatch(),
-            cache.v.clone().into_dispatch(),
+    let (prefill_tables, prefill_context, cu_seqlens_q, tiles) = match (prefill, tile_rows) {
+        (Some(part), Some(rows)) => (
             part.block_tables.clone().into_dispatch(),
             part.context_lens.clone().into_dispatch(),
             part.cu_seqlens_q.clone().into_dispatch(),
-            plan,
-        ))
+            part.tiles
+                .get(rows, &part.query_lens, &q.device())
+                .into_dispatch(),
+        ),
+        _ => (placeholder(), placeholder(), placeholder(), placeholder()),
     };
-    if nd == meta.num_seqs() {
-        decode(q)
-    } else if nd == 0 {
-        prefill(q)
-    } else {
-        let decoded = decode(q.clone().slice_dim(0, 0..nd));
-        let prefilled = prefill(q.slice_dim(0, nd..t));
-        Tensor::cat(vec![decoded, prefilled], 0)
+    Tensor::from_dispatch(Dispatch::paged_attention(
+        q.into_dispatch(),
+        cache.k.clone().into_dispatch(),
+        cache.v.clone().into_dispatch(),
+        decode_tables,
+        decode_context,
+        prefill_tables,
+        prefill_context,
+        cu_seqlens_q,
+        tiles,
+        plan,
+    ))
+}
+
+/// Queries per tile of the prefill kernel that [`paged_attention`] launches on `device` for
+/// queries of `dtype` with `heads` query heads, `kv_heads` key/value heads of `head_dim`: what
+/// a caller building a step's tile list in advance ([`TileCache::fixed`]) steps by. `None` off
+/// CubeCL devices (no kernels, no tiles).
+pub fn prefill_tile_rows(
+    device: &burn::tensor::Device,
+    dtype: DType,
+    heads: usize,
+    kv_heads: usize,
+    head_dim: usize,
+) -> Option<usize> {
+    #[allow(unreachable_patterns)]
+    match device.as_dispatch() {
+        #[cfg(any(feature = "cpu", feature = "cuda"))]
+        DispatchDevice::Cube(cube) => Some(prefill::tile_rows(
+            &cube.client(),
+            dtype,
+            heads,
+            kv_heads,
+            head_dim,
+        )),
+        _ => None,
     }
 }
 
@@ -342,7 +359,6 @@ fn check_cache(
 pub(crate) struct AttentionLaunch {
     pub q: CubeTensor,
     pub out: CubeTensor,
-    pub rows: usize,
     pub heads: usize,
     pub head_dim: usize,
     pub block_size: usize,
@@ -363,7 +379,6 @@ impl AttentionLaunch {
         Self {
             q,
             out,
-            rows,
             heads,
             head_dim,
             block_size: cache[1],
@@ -388,23 +403,6 @@ pub(crate) fn writable(t: CubeTensor) -> CubeTensor {
         }
         into_contiguous(t.copy())
     }
-}
-
-/// Host `i32` values as a contiguous device tensor next to `like`.
-pub(crate) fn upload_i32<const D: usize>(
-    like: &CubeTensor,
-    values: &[i32],
-    shape: [usize; D],
-) -> CubeTensor {
-    let bytes: Vec<u8> = values.iter().flat_map(|v| v.to_le_bytes()).collect();
-    let handle = like.client.create_from_slice(&bytes);
-    CubeTensor::new_contiguous(
-        like.client.clone(),
-        like.device.clone(),
-        shape.into(),
-        handle,
-        DType::I32,
-    )
 }
 
 /// True if the manual-MMA attention kernels (`mma.sync` 16×8×16, 16-byte `ldmatrix` rows) can

@@ -9,9 +9,14 @@ use super::common::*;
 /// Greedy ids of every golden prompt in one engine run (24-token steps: prompts are chunked
 /// and mixed with the other sequences' decodes), with the top-5 log-probabilities.
 pub fn check_goldens(name: &str, device: DeviceKind, alone_too: bool) {
+    check_goldens_with(name, device, small_config(), alone_too);
+}
+
+/// [`check_goldens`] with the engine options `config` (its device replaced by `device`).
+pub fn check_goldens_with(name: &str, device: DeviceKind, config: EngineConfig, alone_too: bool) {
     let golden = Golden::load(name);
     let prompts = golden.prompts();
-    let mut engine = engine_on(name, device, small_config());
+    let mut engine = engine_on(name, device, config.clone());
     let params = SamplingParams {
         logprobs: Some(5),
         ..greedy(24)
@@ -68,7 +73,7 @@ pub fn check_goldens(name: &str, device: DeviceKind, alone_too: bool) {
     }
     if alone_too {
         for i in [0, 3, 5] {
-            let mut solo = engine_on(name, device, small_config());
+            let mut solo = engine_on(name, device, config.clone());
             let alone = run_all(&mut solo, vec![(prompts[i].clone(), greedy(24))]);
             assert_eq!(
                 alone[0].tokens, batched[i].tokens,
@@ -360,7 +365,7 @@ fn abort_frees_the_request() {
 /// decode split planned for `max_model_len`) give the tokens eager steps give, as contexts
 /// grow to hundreds of tokens. Without CUDA both runs are eager.
 #[test]
-fn decode_graphs_match_eager_steps_as_contexts_grow() {
+fn step_graphs_match_eager_steps_as_contexts_grow() {
     let name = "qwen3-tiny";
     let device = test_device();
     let vocab = 1000;
@@ -398,7 +403,7 @@ fn decode_graphs_match_eager_steps_as_contexts_grow() {
     if matches!(device, DeviceKind::Cuda(_)) {
         assert_eq!(
             graphed.limits().graph_sizes,
-            vec![1, 4],
+            engine::default_graph_sizes(4, 512),
             "{:?}",
             graphed.limits().graph_failures
         );

@@ -95,6 +95,10 @@ pub fn paged_decode_mma<F: Float, NV: Size>(
     let st = comptime!(cfg.stage());
     let chunk = comptime!(st.len()); // one stage, in vectors
     let ctx = context_lens[seq] as usize;
+    // A padding row of a captured step (no sequence): nothing to read or write.
+    if ctx == 0 {
+        terminate!();
+    }
     let start = split * split_len;
     let end = min(ctx, start + split_len);
     let table_row = seq * block_tables.stride(0);

@@ -40,11 +40,13 @@ const MAX_SPLITS: usize = 64;
 /// Combines the splits: `out = Σ_s acc_s·e^(m_s − M) / Σ_s l_s·e^(m_s − M)`.
 ///
 /// Grid: one cube per (head, sequence); units over `D`. The number of splits is a runtime
-/// value, so that batches of any size and context share one compiled kernel.
+/// value, so that batches of any size and context share one compiled kernel. Rows with no
+/// context (padding) are skipped, as the attention kernels skip them.
 #[cube(launch_unchecked)]
 pub fn combine_splits<F: Float>(
     part_acc: &Tensor<f32>,
     part_stats: &Tensor<f32>,
+    context_lens: &Tensor<i32>,
     out: &mut Tensor<F>,
     splits: usize,
     #[comptime] heads: usize,
@@ -53,6 +55,9 @@ pub fn combine_splits<F: Float>(
 ) {
     let h = CUBE_POS_X as usize;
     let seq = CUBE_POS_Y as usize;
+    if context_lens[seq] == 0 {
+        terminate!();
+    }
     let row0 = (seq * heads + h) * splits;
     let mut big = f32::new(f32::NEG_INFINITY);
     for s in 0..splits {
@@ -129,30 +134,33 @@ pub(super) fn write_merged<F: Float>(
     }
 }
 
-/// Host side of decode attention. `q [B, heads, D]`; returns `[B, heads, D]`.
-#[allow(clippy::too_many_arguments)]
+/// Host side of decode attention: rows `0..B` of `launch.q [T, heads, D]` (`B` =
+/// `context_lens`' length, `B ≤ T`), one token per sequence, into the same rows of
+/// `launch.out`. Rows of context 0 (a captured step's padding) are neither read nor written.
 pub(crate) fn paged_decode(
-    q: CubeTensor,
+    launch: &super::AttentionLaunch,
     k_cache: CubeTensor,
     v_cache: CubeTensor,
     block_tables: CubeTensor,
     context_lens: CubeTensor,
     max_context: usize,
     scale: f32,
-) -> CubeTensor {
-    let caps = DeviceCaps::of(&q.client);
+) {
+    let caps = DeviceCaps::of(&launch.q.client);
     let super::AttentionLaunch {
         q,
         out,
-        rows: b,
         heads,
         head_dim: d,
         block_size,
         kv_heads,
-    } = super::AttentionLaunch::new(q, &k_cache);
+        ..
+    } = launch;
+    let (heads, d, block_size, kv_heads) = (*heads, *d, *block_size, *kv_heads);
+    let b = context_lens.meta.shape()[0];
     let dtype = q.dtype;
     if b == 0 {
-        return out;
+        return;
     }
     let group = heads / kv_heads;
     let vec = crate::vector_size(dtype, &[d]);
@@ -221,9 +229,9 @@ pub(crate) fn paged_decode(
     };
     let (part_acc, part_stats) = (workspace(rows * d), workspace(rows * 2));
     let count = CubeCount::Static(kv_heads as u32, b as u32, splits as u32);
-    let address = super::address_type(&[&k_cache, &q]);
+    let address = super::address_type(&[&k_cache, q]);
     // SAFETY: keys are read only below each sequence's context length, through block-table
-    // entries the metadata checked; output indices are below B × heads × D.
+    // entries the metadata checked; rows below B ≤ T of q and out, B × heads × D elements.
     unsafe {
         // The three kernels take the same arguments; only the function and its config differ.
         macro_rules! launch {
@@ -238,7 +246,7 @@ pub(crate) fn paged_decode(
                     k_cache.into_tensor_arg(),
                     v_cache.into_tensor_arg(),
                     block_tables.into_tensor_arg(),
-                    context_lens.into_tensor_arg(),
+                    context_lens.clone().into_tensor_arg(),
                     out.clone().into_tensor_arg(),
                     part_acc.clone().into_tensor_arg(),
                     part_stats.clone().into_tensor_arg(),
@@ -280,6 +288,7 @@ pub(crate) fn paged_decode(
                 CubeDim::new_1d(caps.cube_units.min(d) as u32),
                 part_acc.into_tensor_arg(),
                 part_stats.into_tensor_arg(),
+                context_lens.into_tensor_arg(),
                 out.clone().into_tensor_arg(),
                 splits,
                 heads,
@@ -288,7 +297,6 @@ pub(crate) fn paged_decode(
             );
         }
     }
-    out
 }
 
 /// The kernel a launch takes, with its comptime configuration.

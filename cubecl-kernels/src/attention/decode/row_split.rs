@@ -89,6 +89,10 @@ pub fn paged_decode_row_split<F: Float, NV: Size>(
     let y = (tid / lanes) % ygroups;
     let z = tid / (lanes * ygroups);
     let ctx = context_lens[seq] as usize;
+    // A padding row of a captured step (no sequence): nothing to read or write.
+    if ctx == 0 {
+        terminate!();
+    }
     let start = split * split_len;
     let end = min(ctx, start + split_len);
     let head0 = kvh * cfg.group + y * hpu;

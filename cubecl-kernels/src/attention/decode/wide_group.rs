@@ -120,6 +120,10 @@ pub fn paged_decode_wide_group<F: Float, NV: Size>(
     let keys_per_group = comptime!(units / kgroups);
     let heads = comptime!(cfg.group * cfg.kv_heads);
     let ctx = context_lens[seq] as usize;
+    // A padding row of a captured step (no sequence): nothing to read or write.
+    if ctx == 0 {
+        terminate!();
+    }
     let start = split * split_len;
     let end = min(ctx, start + split_len);
 

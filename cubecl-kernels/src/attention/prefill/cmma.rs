@@ -75,6 +75,10 @@ pub fn paged_prefill_cmma<F: Float, NV: Size>(
     let dv = comptime!(cfg.head_dim / nv);
     let dfrags = comptime!(cfg.head_dim / 16);
     let kvh = h / comptime!(cfg.heads / cfg.kv_heads);
+    // A padding tile of a captured step (sequence −1): nothing to read or write.
+    if tiles[tile * 2] < 0 {
+        terminate!();
+    }
     let seq = tiles[tile * 2] as usize;
     let q0 = tiles[tile * 2 + 1] as usize;
     let q_start = cu_seqlens_q[seq] as usize;

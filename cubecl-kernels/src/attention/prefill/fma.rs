@@ -44,6 +44,10 @@ pub fn paged_prefill_fma<F: Float>(
     let qpad = comptime!(cfg.head_dim + 1);
     let spad = comptime!(cfg.block_k + 1);
     let kvh = h / comptime!(cfg.heads / cfg.kv_heads);
+    // A padding tile of a captured step (sequence −1): nothing to read or write.
+    if tiles[tile * 2] < 0 {
+        terminate!();
+    }
     let seq = tiles[tile * 2] as usize;
     let q0 = tiles[tile * 2 + 1] as usize;
     let q_start = cu_seqlens_q[seq] as usize;

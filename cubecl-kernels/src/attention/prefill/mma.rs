@@ -101,6 +101,10 @@ pub fn paged_prefill_mma<F: Float, NV: Size>(
     let g = UNIT_POS_PLANE as usize / 4;
     let t = UNIT_POS_PLANE as usize % 4;
     let st = comptime!(cfg.stage());
+    // A padding tile of a captured step (sequence −1): nothing to read or write.
+    if tiles[tile * 2] < 0 {
+        terminate!();
+    }
     let seq = tiles[tile * 2] as usize;
     let q0 = tiles[tile * 2 + 1] as usize;
     let q_start = cu_seqlens_q[seq] as usize;

@@ -5,8 +5,10 @@
 //!
 //! Memory layout: `q`, `out` `[T, heads, D]` with tokens of sequence `s` at rows
 //! `cu_seqlens_q[s]..cu_seqlens_q[s+1]`; caches `[num_blocks, block_size, kv_heads, D]`
-//! contiguous; `block_tables [B, max_blocks]`, `context_lens [B]`, `cu_seqlens_q [B + 1]` i32;
-//! `tiles [num_tiles, 2]` i32 = (sequence, first query of the tile), built on the host.
+//! contiguous; `block_tables [B, max_blocks]`, `context_lens [B]`, `cu_seqlens_q [B + 1]` i32
+//! (row offsets into `q`: the prefill rows follow a step's decode rows); `tiles [num_tiles, 2]`
+//! i32 = (sequence, first query of the tile), built on the host ([`tile_rows`] queries each);
+//! a tile of sequence −1 is padding (a captured step's grid covers its most tiles).
 //!
 //! Three kernels with the same arguments, chosen per device and dtype by [`paged_prefill`]:
 //! - [`mma`]: CUDA with manual MMA (`mma.sync`), bf16/f16 — flash-attention-2 with S, P and O in
@@ -25,7 +27,6 @@ use cubecl::prelude::{CubeCount, CubeDim};
 
 use crate::device_caps::DeviceCaps;
 use crate::knobs::Knobs;
-use crate::ops::PrefillPlan;
 use cmma::{CmmaPrefillConfig, paged_prefill_cmma};
 use fma::{PrefillConfig, paged_prefill_fma};
 use mma::{MmaPrefillConfig, paged_prefill_mma};
@@ -103,20 +104,73 @@ fn mma_config(
         .then_some(cfg)
 }
 
-/// Host side of prefill attention. `q [T, heads, D]`; `plan.query_lens` are the host copies of
-/// each sequence's new-token count (they define the tiles, built once per step and cached in
-/// `plan.tiles`). Returns `[T, heads, D]`.
+/// The kernel a prefill launch takes on this device, with its configuration. The query tile
+/// height follows from it, so the host builds the tile list ([`tile_rows`]) for the launch
+/// before it happens; both take this one choice.
+#[derive(Clone, Copy, Debug)]
+enum Launch {
+    Mma(MmaPrefillConfig),
+    Cmma(CmmaPrefillConfig),
+    Fma(PrefillConfig),
+}
+
+/// The launch for `q [·, heads, D]` of `dtype` over caches of `kv_heads` heads. Queries are
+/// read in the caches' vector width (the launcher makes them so).
+fn choose(caps: &DeviceCaps, dtype: DType, heads: usize, kv_heads: usize, d: usize) -> Launch {
+    let vec = crate::vector_size(dtype, &[d]);
+    if let Some(cfg) = mma_config(caps, dtype, heads, kv_heads, d, vec) {
+        return Launch::Mma(cfg);
+    }
+    if let Some(cfg) = cmma_config(caps, dtype, heads, kv_heads, d, vec) {
+        return Launch::Cmma(cfg);
+    }
+    Launch::Fma(PrefillConfig {
+        heads,
+        kv_heads,
+        head_dim: d,
+        block_q: caps.cube_units.min(32),
+        block_k: 16,
+    })
+}
+
+impl Launch {
+    fn block_q(&self) -> usize {
+        match self {
+            Launch::Mma(c) => c.block_q(),
+            Launch::Cmma(c) => c.block_q(),
+            Launch::Fma(c) => c.block_q,
+        }
+    }
+}
+
+/// Queries per tile of the prefill launch on `client`'s device for this shape: the tile list
+/// `[num_tiles, 2]` = (sequence, first query) that [`paged_prefill`] takes steps by it.
+pub(crate) fn tile_rows(
+    client: &cubecl::client::Client,
+    dtype: DType,
+    heads: usize,
+    kv_heads: usize,
+    head_dim: usize,
+) -> usize {
+    choose(&DeviceCaps::of(client), dtype, heads, kv_heads, head_dim).block_q()
+}
+
+/// Host side of prefill attention: the query tiles `tiles [num_tiles, 2]` (sequence, first
+/// query; tiles of sequence −1 are padding, skipped) of `block_q` rows each, over rows
+/// `cu_seqlens_q[s]..cu_seqlens_q[s + 1]` of `launch.q [T, heads, D]`, into the same rows of
+/// `launch.out`. `block_q` must be [`tile_rows`]' answer (checked).
+#[allow(clippy::too_many_arguments)]
 pub(crate) fn paged_prefill(
-    q: CubeTensor,
+    launch: &super::AttentionLaunch,
     k_cache: CubeTensor,
     v_cache: CubeTensor,
     block_tables: CubeTensor,
     context_lens: CubeTensor,
     cu_seqlens_q: CubeTensor,
-    plan: PrefillPlan,
-) -> CubeTensor {
-    let scale = plan.scale;
-    let caps = DeviceCaps::of(&q.client);
+    tiles: CubeTensor,
+    block_q: usize,
+    scale: f32,
+) {
     let super::AttentionLaunch {
         q,
         out,
@@ -125,40 +179,29 @@ pub(crate) fn paged_prefill(
         block_size,
         kv_heads,
         ..
-    } = super::AttentionLaunch::new(q, &k_cache);
+    } = launch;
+    let (heads, d, block_size, kv_heads) = (*heads, *d, *block_size, *kv_heads);
     let dtype = q.dtype;
-    let vec = crate::vector_size(dtype, &[d, q.meta.strides()[0], q.meta.strides()[1]]);
-    let kv_vec = crate::vector_size(dtype, &[d]);
-    let mma = mma_config(&caps, dtype, heads, kv_heads, d, kv_vec);
-    let cmma = cmma_config(&caps, dtype, heads, kv_heads, d, vec).filter(|_| mma.is_none());
-    let block_q = match (mma, cmma) {
-        (Some(cfg), _) => cfg.block_q(),
-        (None, Some(cfg)) => cfg.block_q(),
-        (None, None) => caps.cube_units.min(32),
-    };
-    let tiles = {
-        let mut cached = plan.tiles.0.lock().expect("tile cache");
-        match &*cached {
-            Some((rows, tiles)) if *rows == block_q => tiles.clone(),
-            _ => {
-                let mut list = Vec::new();
-                for (s, &len) in plan.query_lens.iter().enumerate() {
-                    for q0 in (0..len).step_by(block_q) {
-                        list.extend([s as i32, q0 as i32]);
-                    }
-                }
-                let tiles = super::upload_i32(&q, &list, [list.len() / 2, 2]);
-                *cached = Some((block_q, tiles.clone()));
-                tiles
-            }
-        }
-    };
+    let chosen = choose(&DeviceCaps::of(&q.client), dtype, heads, kv_heads, d);
+    assert_eq!(
+        chosen.block_q(),
+        block_q,
+        "paged prefill: the tile list was built for {block_q}-query tiles, the launch takes {}",
+        chosen.block_q()
+    );
     let num_tiles = tiles.meta.shape()[0];
     if num_tiles == 0 {
-        return out;
+        return;
     }
+    let kv_vec = crate::vector_size(dtype, &[d]);
+    // The tensor-core kernels read q in the caches' vector width.
+    let q = if crate::vector_size(dtype, &[d, q.meta.strides()[0], q.meta.strides()[1]]) == kv_vec {
+        q.clone()
+    } else {
+        burn_cubecl::kernel::into_contiguous(q.clone())
+    };
     // The three kernels take the same arguments; the function, grid, config and (for the
-    // tensor-core ones, which read the caches in vectors) the vector width differ.
+    // tensor-core ones, which read in vectors) the vector width differ.
     macro_rules! launch {
         ($kernel:path, $heads:expr, $units:expr, $cfg:expr $(, vec = $vec:expr)?) => {
             $kernel(
@@ -182,45 +225,29 @@ pub(crate) fn paged_prefill(
             )
         };
     }
-    if let Some(cfg) = mma {
-        // SAFETY: as below; `mma_config` checked the shared-memory budget (its staging loop
-        // guards a partial last round).
-        unsafe {
-            launch!(
+    // SAFETY: queries are read below each tile's row count, keys below the tile's causal bound
+    // (within the context, through checked block tables), outputs only for valid rows;
+    // `mma_config` / `cmma_config` checked the shared-memory budget and the tile divisibility
+    // the unrolled staging loops rely on.
+    unsafe {
+        match chosen {
+            Launch::Mma(cfg) => launch!(
                 paged_prefill_mma::launch_unchecked,
                 kv_heads * cfg.cubes_per_kv_head(),
                 cfg.units(),
                 cfg,
                 vec = kv_vec
-            );
-        }
-        return out;
-    }
-    if let Some(cfg) = cmma {
-        // SAFETY: as below; `cmma_config` checked the tile divisibility the unrolled staging
-        // loops rely on and the shared-memory budget.
-        unsafe {
-            launch!(
+            ),
+            Launch::Cmma(cfg) => launch!(
                 paged_prefill_cmma::launch_unchecked,
                 heads,
                 cfg.units(),
                 cfg,
-                vec = vec
-            );
+                vec = kv_vec
+            ),
+            Launch::Fma(cfg) => {
+                launch!(paged_prefill_fma::launch_unchecked, heads, cfg.block_q, cfg)
+            }
         }
-        return out;
     }
-    let cfg = PrefillConfig {
-        heads,
-        kv_heads,
-        head_dim: d,
-        block_q,
-        block_k: 16,
-    };
-    // SAFETY: queries are read below each tile's row count, keys below the tile's causal bound
-    // (within the context, through checked block tables); outputs only for valid rows.
-    unsafe {
-        launch!(paged_prefill_fma::launch_unchecked, heads, block_q, cfg);
-    }
-    out
 }

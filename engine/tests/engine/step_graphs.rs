@@ -1,0 +1,171 @@
+//! Steps through the step graphs' padded layout: decode rows and prefill chunks in stable
+//! buffers sized for a token bucket, padding tokens (slot −1), padding decode rows (context 0),
+//! padding prefill tiles (sequence −1), sampled rows picked by index. Without a GPU the graphs
+//! are emulated (`emulate_graphs`: the same buffers and padded forward, run eagerly on CubeCL's
+//! CPU runtime, every kernel involved); with `ENGINE_TEST_DEVICE=cuda` the same tests replay
+//! captured CUDA graphs. Greedy outputs must equal transformers' goldens and the eager steps',
+//! through chunk boundaries, prefix-cache hits and preemption. Padding that reached the KV
+//! cache (the first request's first block is block 0, where a padding slot 0 would write) or
+//! the sampler would change them.
+
+use engine::scheduler::{Scheduler, SchedulerLimits};
+use engine::{BlockManager, DeviceKind, EngineConfig, FinishReason, SamplingParams, Sequence};
+
+use super::common::*;
+use super::generation::check_goldens_with;
+
+/// CUDA when the tests run there (captured graphs), else CubeCL's CPU runtime (emulated).
+fn graph_device() -> DeviceKind {
+    match test_device() {
+        DeviceKind::Cuda(i) => DeviceKind::Cuda(i),
+        _ => DeviceKind::CubeclCpu,
+    }
+}
+
+/// [`small_config`] (4 sequences, 24-token steps) with step graphs of `sizes` tokens.
+fn graph_config(sizes: &[usize]) -> EngineConfig {
+    EngineConfig {
+        cuda_graph_sizes: Some(sizes.to_vec()),
+        emulate_graphs: !matches!(graph_device(), DeviceKind::Cuda(_)),
+        ..small_config()
+    }
+}
+
+/// Every golden prompt batched (chunked prompts mixed with decodes), every step through a
+/// graph: steps shaped to 8/16/24 tokens, decode-only steps padded to the 1- or 8-token graph.
+#[test]
+fn graph_steps_match_transformers() {
+    for name in CHECKPOINTS {
+        check_goldens_with(name, graph_device(), graph_config(&[1, 8, 16, 24]), false);
+    }
+    let name = "qwen2-tiny-tied";
+    let mut engine = engine_on(name, graph_device(), graph_config(&[1, 8, 16, 24]));
+    let prompts = Golden::load(name).prompts();
+    run_all(
+        &mut engine,
+        prompts.into_iter().map(|p| (p, greedy(24))).collect(),
+    );
+    let stats = engine.stats();
+    assert_eq!(
+        stats.graph_steps, stats.steps,
+        "every step ran through a graph"
+    );
+    assert!(
+        stats.prefill_steps > 3,
+        "mixed and prefill steps ran through graphs"
+    );
+}
+
+/// One 24-token graph for every step: a decode step of four rows is padded with 20 tokens,
+/// a prefill chunk of 5 with 19, and their decode rows and tiles with padding entries; the
+/// outputs are still the goldens and the prompts run alone give the same tokens.
+#[test]
+fn padding_reaches_no_request() {
+    for name in ["qwen2-tiny-tied", "qwen3-tiny-hd32"] {
+        check_goldens_with(name, graph_device(), graph_config(&[24]), true);
+    }
+}
+
+/// Prefix-cache hits and preemption by recompute through graph steps: the tokens of eager
+/// steps without caching and without a tight pool.
+#[test]
+fn graph_steps_keep_prefix_hits_and_preemption_exact() {
+    let name = "qwen3-tiny";
+    let golden = Golden::load(name);
+    let long = golden.prompts()[5].clone(); // 100 tokens
+    let mut shared = long[..70].to_vec();
+    shared.extend([7, 8, 9]);
+    let requests = vec![
+        (long.clone(), greedy(8)),
+        (shared, greedy(8)),
+        (long[..64].to_vec(), greedy(8)),
+    ];
+    let eager = EngineConfig {
+        enable_prefix_caching: false,
+        enforce_eager: true,
+        ..small_config()
+    };
+    let mut want = Vec::new();
+    for r in &requests {
+        want.extend(run_all(
+            &mut engine_on(name, graph_device(), eager.clone()),
+            vec![r.clone()],
+        ));
+    }
+    let mut engine = engine_on(name, graph_device(), graph_config(&[1, 8, 16, 24]));
+    for (r, w) in requests.into_iter().zip(&want) {
+        let got = run_all(&mut engine, vec![r]);
+        assert_eq!(got[0].tokens, w.tokens);
+    }
+    assert_eq!(engine.stats().prefix_hit_tokens, 112);
+
+    let name = "qwen2-tiny-untied";
+    let golden = Golden::load(name);
+    let tight = EngineConfig {
+        max_num_seqs: 6,
+        num_kv_blocks: Some(10),
+        max_model_len: Some(160),
+        ..graph_config(&[1, 8, 16, 24])
+    };
+    let mut engine = engine_on(name, graph_device(), tight);
+    let out = run_all(
+        &mut engine,
+        golden
+            .prompts()
+            .into_iter()
+            .map(|p| (p, greedy(24)))
+            .collect(),
+    );
+    assert!(
+        engine.stats().preemptions > 0,
+        "the pool should have run out"
+    );
+    for (i, f) in out.iter().enumerate() {
+        let key = format!("prompt.{i}.greedy_ids");
+        assert_eq!(f.tokens, golden.ids(&key), "{name} {key}");
+        assert_eq!(f.last().finish_reason, Some(FinishReason::Length));
+    }
+    assert_eq!(engine.kv_usage(), 0.0);
+}
+
+/// The scheduler shapes steps to the graph sizes: a prefill-heavy step is cut to the largest
+/// size it can fill, a step that cannot fill one keeps its demand (the graph pads it), decodes
+/// alone are never cut.
+#[test]
+fn steps_are_shaped_to_graph_sizes() {
+    // Prompts of 30, 30 and 3 tokens; the token counts of the first steps.
+    let steps = |sizes: Vec<usize>, n: usize| {
+        let mut s = Scheduler::new(
+            SchedulerLimits {
+                max_num_seqs: 8,
+                max_num_batched_tokens: 64,
+            },
+            BlockManager::new(64, 4, false),
+        )
+        .with_step_sizes(sizes);
+        let params = std::sync::Arc::new(SamplingParams::default());
+        for (id, len) in [(0u64, 30u32), (1, 30), (2, 3)] {
+            s.add(Sequence::new(id, (0..len).collect(), params.clone(), 0));
+        }
+        (0..n)
+            .map(|_| {
+                let out = s.schedule();
+                for seq in &out.seqs {
+                    s.on_computed(seq);
+                    if seq.samples {
+                        s.get_mut(seq.id).unwrap().token_ids.push(1);
+                    }
+                }
+                out.num_tokens()
+            })
+            .collect::<Vec<_>>()
+    };
+    // 63 tokens of demand, cut to 48 (the first prompt, 18 of the second); then one decode,
+    // 12 + 3 prompt tokens: 16, cut to 8; then 1 + 5 + 3 = 9, cut to 8 (the third prompt's
+    // last token waits); then three one-token rows: 3, under every size, run as they are.
+    assert_eq!(steps(vec![32, 8, 48], 5), [48, 8, 8, 3, 3]);
+    // Without the size 8, the 16-token step fills no size: it runs whole (padded to 32).
+    assert_eq!(steps(vec![32, 48], 3), [48, 16, 3]);
+    // Without sizes, the budget alone: 63 tokens at once.
+    assert_eq!(steps(Vec::new(), 2), [63, 3]);
+}
