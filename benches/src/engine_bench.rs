@@ -22,6 +22,8 @@ pub struct EngineSetup<'a> {
     pub dir: Option<&'a std::path::Path>,
     /// Engine options.
     pub engine: EngineConfig,
+    /// Sample the host threads during the timed run (`--host-profile`).
+    pub host_profile: bool,
 }
 
 fn build(setup: &EngineSetup<'_>, device: &Device, dtype: DType) -> Result<LLM> {
@@ -53,17 +55,14 @@ pub fn nano(
     let mut llm = build(setup, device, dtype)?;
     let load_s = start.elapsed().as_secs_f64();
     let limits = llm.engine().limits().clone();
-    eprintln!("decode graphs {:?}", limits.graph_sizes);
-    for f in &limits.graph_failures {
-        eprintln!("graph capture refused: {f}");
-    }
+    print_graphs(&limits);
     let mut work = nano_bench(num_seqs, 1024, 1024);
     // Smoke runs use a smaller vocabulary than bench.py's ids (< 10001).
     let vocab = setup.config.vocab_size as u32;
     for w in &mut work {
         w.prompt.iter_mut().for_each(|t| *t %= vocab);
     }
-    let (wall, outs, before, stats) = warm_then_time(&mut llm, &work)?;
+    let (wall, outs, before, stats) = warm_then_time(&mut llm, &work, setup.host_profile)?;
     print_step_profile(llm.engine().step_records());
     if let Some((o, w)) = outs
         .iter()
@@ -172,9 +171,13 @@ pub fn throughput(
         vocab,
         w.seed,
     );
-    let (wall, outs, before, stats) = warm_then_time(&mut llm, &work)?;
+    let (wall, outs, before, stats) = warm_then_time(&mut llm, &work, setup.host_profile)?;
+    print_graphs(llm.engine().limits());
+    let records = llm.engine().step_records();
+    print_step_profile(&records[records.len() - (stats.steps - before.steps) as usize..]);
     let prompt_tokens: usize = work.iter().map(|w| w.prompt.len()).sum();
     let output_tokens: usize = outs.iter().map(|o| o.token_ids.len()).sum();
+    let steps = (stats.steps - before.steps) as f64;
     let mut report = Report::new(
         &format!("engine throughput {} {dtype:?}", setup.model),
         &[
@@ -190,6 +193,8 @@ pub fn throughput(
             "output_tok_s",
             "total_tok_s",
             "steps",
+            "graph_steps",
+            "ms_per_step",
             "preemptions",
         ],
     );
@@ -206,6 +211,8 @@ pub fn throughput(
         json!(output_tokens as f64 / wall),
         json!((prompt_tokens + output_tokens) as f64 / wall),
         json!(stats.steps - before.steps),
+        json!(stats.graph_steps - before.graph_steps),
+        json!(wall * 1e3 / steps.max(1.0)),
         json!(stats.preemptions - before.preemptions),
     ]);
     Ok(report)
@@ -369,6 +376,7 @@ pub fn prefix(
 fn warm_then_time(
     llm: &mut LLM,
     work: &[WorkItem],
+    host_profile: bool,
 ) -> Result<(
     f64,
     Vec<burn_nanovllm::Completion>,
@@ -380,7 +388,8 @@ fn warm_then_time(
         &SamplingParams::default(),
     )?;
     let before = llm.engine().stats();
-    let (wall, outs) = timed_generate(llm, work, 0.6)?;
+    let (wall, outs) =
+        crate::host_profile::profile(host_profile, || timed_generate(llm, work, 0.6))?;
     Ok((wall, outs, before, llm.engine().stats()))
 }
 
@@ -410,15 +419,37 @@ fn timed_generate(
 
 /// The mean time of each phase, for prefill (mixed) steps and for decode steps by batch size
 /// class, and the slowest prefill steps.
+/// The engine's step graphs: sizes, refusals, and each capture's time and device memory.
+fn print_graphs(limits: &engine::EngineLimits) {
+    eprintln!("step graphs (tokens) {:?}", limits.graph_sizes);
+    for f in &limits.graph_failures {
+        eprintln!("graph capture refused: {f}");
+    }
+    for c in &limits.graph_captures {
+        eprintln!(
+            "graph {} tokens: captured in {:.2} s, {} MiB of device memory",
+            c.tokens,
+            c.time.as_secs_f64(),
+            c.bytes.map_or("?".into(), |b| (b >> 20).to_string())
+        );
+    }
+}
+
 fn print_step_profile(records: &[burn_nanovllm::StepRecord]) {
     let ms = |d: std::time::Duration| d.as_secs_f64() * 1e3;
-    let mut classes: Vec<(String, Vec<&burn_nanovllm::StepRecord>)> = vec![(
-        "prefill".into(),
-        records
-            .iter()
-            .filter(|r| r.num_tokens > r.num_seqs)
-            .collect(),
-    )];
+    type Filter = fn(&burn_nanovllm::StepRecord) -> bool;
+    let mut classes: Vec<(String, Vec<&burn_nanovllm::StepRecord>)> = Vec::new();
+    for (name, f) in [
+        (
+            "mixed/prefill, graph",
+            (|r| r.num_tokens > r.num_seqs && r.graph) as Filter,
+        ),
+        ("mixed/prefill, eager", |r| {
+            r.num_tokens > r.num_seqs && !r.graph
+        }),
+    ] {
+        classes.push((name.into(), records.iter().filter(|r| f(r)).collect()));
+    }
     for (lo, hi) in [(1, 32), (33, 128), (129, 256), (257, usize::MAX)] {
         classes.push((
             format!("decode {lo}-{hi}"),
@@ -428,15 +459,16 @@ fn print_step_profile(records: &[burn_nanovllm::StepRecord]) {
                 .collect(),
         ));
     }
-    eprintln!("step profile (ms per step): class, steps, schedule, forward, sample, post");
+    eprintln!("step profile (ms per step): class, steps, tokens, schedule, forward, sample, post");
     for (name, rs) in classes.iter().filter(|(_, rs)| !rs.is_empty()) {
         let n = rs.len() as f64;
         let mean = |f: fn(&burn_nanovllm::StepRecord) -> std::time::Duration| {
             rs.iter().map(|r| ms(f(r))).sum::<f64>() / n
         };
         eprintln!(
-            "{name}, {}, {:.3}, {:.3}, {:.3}, {:.3}",
+            "{name}, {}, {:.0}, {:.3}, {:.3}, {:.3}, {:.3}",
             rs.len(),
+            rs.iter().map(|r| r.num_tokens).sum::<usize>() as f64 / n,
             mean(|r| r.schedule),
             mean(|r| r.forward),
             mean(|r| r.sample),
@@ -445,11 +477,11 @@ fn print_step_profile(records: &[burn_nanovllm::StepRecord]) {
     }
     for r in records
         .iter()
-        .filter(|r| r.num_tokens > r.num_seqs)
-        .take(20)
+        .filter(|r| r.num_tokens > r.num_seqs && !r.graph)
+        .take(5)
     {
         eprintln!(
-            "prefill step: {} seqs ({} decode rows), {} tokens: forward {:.1} ms, sample {:.1} ms",
+            "eager mixed step: {} seqs ({} decode rows), {} tokens: forward {:.1} ms, sample {:.1} ms",
             r.num_seqs,
             r.num_decodes,
             r.num_tokens,

@@ -5,6 +5,7 @@
 mod attention;
 mod decode_step;
 mod engine_bench;
+mod host_profile;
 mod linear;
 mod record;
 mod report;
@@ -63,9 +64,17 @@ struct Cli {
     /// Branch, tag or commit of a `--model` repo id.
     #[arg(long)]
     revision: Option<String>,
-    /// Engine suites: decode steps eagerly (no CUDA graphs).
+    /// Engine suites: every step eagerly (no CUDA graphs).
     #[arg(long)]
     enforce_eager: bool,
+    /// Engine suites: token counts of the step graphs (comma-separated), instead of the
+    /// engine's default.
+    #[arg(long, value_delimiter = ',')]
+    graph_sizes: Vec<usize>,
+    /// Engine suites (nano, throughput): a sampling profile of the host threads over the timed
+    /// run (needs the `host-profile` feature and an unstripped binary).
+    #[arg(long)]
+    host_profile: bool,
     /// Engine suites: sequences of the nano workload.
     #[arg(long, default_value_t = 256)]
     num_seqs: usize,
@@ -271,9 +280,11 @@ fn main() -> Result<()> {
                 max_num_seqs: cli.max_num_seqs,
                 max_num_batched_tokens: cli.max_num_batched_tokens,
                 enforce_eager: cli.enforce_eager,
+                cuda_graph_sizes: (!cli.graph_sizes.is_empty()).then(|| cli.graph_sizes.clone()),
                 record_steps: true,
                 ..burn_nanovllm::EngineConfig::default()
             },
+            host_profile: cli.host_profile,
         };
         let workload = engine_bench::RandomWorkload {
             num_prompts: cli.num_prompts,
@@ -310,6 +321,7 @@ fn main() -> Result<()> {
                     config: &config,
                     dir: dir.as_deref(),
                     engine,
+                    host_profile: false,
                 };
                 engine_bench::build_engine(&setup, &engine_device, dtype)
                     .map_err(|e| burn_nanovllm::LlmError::Invalid(format!("{e:#}")))

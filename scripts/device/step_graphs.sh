@@ -1,0 +1,51 @@
+#!/usr/bin/env bash
+# On the GPU machine (device tool): issue 29's checks and figures in one command, with whichever
+# binaries dist*/ hold (engine.xz, kernels.xz: test binaries; benches.xz: built with
+# `--features benches/host-profile`, unstripped for the host profile). The three exceed the
+# travelling tree's 64 MiB together: carry one folder per call, back to back (/tmp/bin stays
+# while the machine is warm).
+#   1. engine tests on CUDA: step graphs (decode and mixed steps captured) against transformers'
+#      goldens and eager steps, padding, prefix hits, preemption; kernel tests on CUDA;
+#   2. `benches throughput` 1,000 × (528 + 136), equal lengths and ±90 %; bench.py (`nano`); one
+#      request 512 + 128 (`latency`);
+#   3. the eager step's host profile (`--enforce-eager --host-profile`, ±90 %, 300 requests).
+# SECTIONS (default "tests bench profile") picks which to run. Logs go to $OUT.
+set -uo pipefail
+cd "$(dirname "$0")/../.."
+mkdir -p /tmp/bin
+for f in dist*/*.xz; do
+  [ -e "$f" ] && xz -T0 -dc "$f" > "/tmp/bin/$(basename "$f" .xz)" && chmod +x "/tmp/bin/$(basename "$f" .xz)"
+done
+nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.sm --format=csv,noheader
+export RUST_BACKTRACE=0
+SECTIONS="${SECTIONS:-tests kernels bench profile}"
+B=/tmp/bin/benches
+quiet() { grep -vE "^\s*$|^ +[0-9]+:|^ +at "; }
+if [[ " $SECTIONS " == *" tests "* && -x /tmp/bin/engine ]]; then
+  echo "== engine tests on CUDA (f32 fixtures, step graphs captured)"
+  ENGINE_TEST_DEVICE=cuda timeout 420 /tmp/bin/engine --test-threads=1 --skip cubecl_cpu --skip cpu_targets 2>&1 \
+    | tee "$OUT/engine_tests.log" | grep -E "^test |test result|panicked|rror|left|right" | tail -40
+fi
+if [[ " $SECTIONS " == *" kernels "* && -x /tmp/bin/kernels ]]; then
+  echo "== kernel tests on CUDA"
+  KERNEL_TEST_DEVICE=cuda timeout 300 /tmp/bin/kernels --test-threads=1 2>&1 \
+    | tee "$OUT/kernel_tests.log" | grep -E "^test |test result|panicked|rror" | tail -30
+fi
+if [[ " $SECTIONS " == *" bench "* && -x $B ]]; then
+  T="throughput --device cuda --num-prompts 1000 --input-len 528 --output-len 136"
+  echo "== throughput, equal lengths"
+  timeout 200 $B $T ${EXTRA:-} --out "$OUT/tp-equal.json" 2>&1 | tee "$OUT/tp-equal.log" | quiet | tail -22
+  echo "== throughput, ±90 %"
+  timeout 200 $B $T --random-range-ratio 0.9 ${EXTRA:-} --out "$OUT/tp-range.json" 2>&1 | tee "$OUT/tp-range.log" | quiet | tail -12
+  echo "== bench.py (nano)"
+  timeout 200 $B nano --device cuda ${EXTRA:-} --out "$OUT/nano.json" 2>&1 | tee "$OUT/nano.log" | quiet | tail -12
+  echo "== one request, 512 + 128"
+  timeout 150 $B latency --device cuda --batch-size 1 --input-len 512 --output-len 128 --iters 5 ${EXTRA:-} \
+    --out "$OUT/latency.json" 2>&1 | tee "$OUT/latency.log" | quiet | tail -4
+fi
+if [[ " $SECTIONS " == *" profile "* && -x $B ]]; then
+  echo "== eager steps, host profile (±90 %, 300 requests)"
+  timeout 200 $B throughput --device cuda --num-prompts 300 --input-len 528 --output-len 136 \
+    --random-range-ratio 0.9 --enforce-eager --host-profile --out "$OUT/tp-eager-profile.json" 2>&1 \
+    | tee "$OUT/tp-eager-profile.log" | quiet | tail -150
+fi
