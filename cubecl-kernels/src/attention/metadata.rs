@@ -106,7 +106,8 @@ struct Tiles {
 }
 
 impl TileCache {
-    /// A tile list given in advance, of `rows`-query tiles.
+    /// A tile list given in advance, of `rows`-query tiles (contiguous: a view of a 1-D buffer;
+    /// a 2-D device tensor of two `i32` per row is row-pitched on CUDA).
     pub fn fixed(rows: usize, list: Tensor<2, Int>) -> Self {
         Self(Mutex::new(Some(Tiles {
             rows,
@@ -136,7 +137,11 @@ impl TileCache {
             }
         }
         let n = flat.len() / 2;
-        let list = Tensor::from_data(TensorData::new(flat, [n, 2]), (device, DType::I32));
+        // Built 1-D and viewed as `[n, 2]`: a 2-D device tensor of 8-byte rows would be
+        // row-pitched (CubeCL pads rows to 16 bytes on CUDA), and the kernels read it flat.
+        let list =
+            Tensor::<1, Int>::from_data(TensorData::new(flat, [2 * n]), (device, DType::I32))
+                .reshape([n, 2]);
         *cached = Some(Tiles {
             rows,
             list: list.clone(),
