@@ -51,10 +51,15 @@ pub(crate) struct Capacity {
     pub samples: usize,
 }
 
+/// Most prefill chunks in one step when steps replay graphs (the scheduler keeps to it): the
+/// prefill kernel's grid covers a graph's most tiles, padding ones included, and each chunk
+/// adds up to one; more chunks than this rarely fit a step's tokens anyway.
+pub const MAX_PREFILL_CHUNKS: usize = 32;
+
 impl Capacity {
     /// The capacity of bucket `tokens` with `tile_rows`-query prefill tiles.
     pub(crate) fn new(tokens: usize, max_num_seqs: usize, tile_rows: usize) -> Self {
-        let prefills = (tokens / 2).min(max_num_seqs);
+        let prefills = (tokens / 2).min(max_num_seqs).min(MAX_PREFILL_CHUNKS);
         Self {
             tokens,
             decodes: tokens.min(max_num_seqs),
@@ -88,6 +93,22 @@ pub(crate) struct StepInputs {
 }
 
 impl StepInputs {
+    /// The inputs, in [`Buffers`]' order.
+    fn parts(&self) -> [&[i32]; 10] {
+        [
+            &self.ids,
+            &self.positions,
+            &self.slots,
+            &self.decode_tables,
+            &self.decode_context,
+            &self.prefill_tables,
+            &self.prefill_context,
+            &self.cu_seqlens,
+            &self.tiles,
+            &self.sample_rows,
+        ]
+    }
+
     /// The padded inputs of `seqs` (decode rows first: one new token each; then prefill chunks)
     /// in a graph of capacity `cap`, or `None` when the step does not fit. Fails on a block
     /// table wider than `width`.
@@ -170,7 +191,10 @@ impl StepInputs {
     }
 }
 
-/// The stable device buffers of one graph.
+/// The stable device inputs of one graph, one buffer per input (the graph reads them).
+/// A step rewrites them in place: one write each. (They cannot be views of one buffer
+/// written once: Burn's CubeCL slice is a view only at offsets aligned to the device's memory
+/// alignment, a copy elsewhere.)
 struct Buffers {
     ids: Tensor<1, Int>,
     positions: Tensor<1, Int>,
@@ -186,40 +210,47 @@ struct Buffers {
 
 impl Buffers {
     fn new(x: &StepInputs, device: &Device) -> Self {
-        let ints = |v: &[i32]| {
-            Tensor::<1, Int>::from_data(
-                TensorData::new(v.to_vec(), [v.len()]),
-                (device, DType::I32),
-            )
-        };
+        let mut buffers = x
+            .parts()
+            .map(|v| {
+                // An empty part (no prefill slots in a one-token graph) is never read.
+                let v = if v.is_empty() { &[0][..] } else { v };
+                Tensor::<1, Int>::from_data(
+                    TensorData::new(v.to_vec(), [v.len()]),
+                    (device, DType::I32),
+                )
+            })
+            .into_iter();
+        let mut next = || buffers.next().expect("ten parts");
         Self {
-            ids: ints(&x.ids),
-            positions: ints(&x.positions),
-            slots: ints(&x.slots),
-            decode_tables: ints(&x.decode_tables),
-            decode_context: ints(&x.decode_context),
-            prefill_tables: ints(&x.prefill_tables),
-            prefill_context: ints(&x.prefill_context),
-            cu_seqlens: ints(&x.cu_seqlens),
-            tiles: ints(&x.tiles),
-            sample_rows: ints(&x.sample_rows),
+            ids: next(),
+            positions: next(),
+            slots: next(),
+            decode_tables: next(),
+            decode_context: next(),
+            prefill_tables: next(),
+            prefill_context: next(),
+            cu_seqlens: next(),
+            tiles: next(),
+            sample_rows: next(),
         }
     }
 
-    /// Rewrites every buffer in place.
+    /// Rewrites every input in place.
     fn write(&mut self, x: &StepInputs) -> Result<()> {
-        for (dst, values) in [
-            (&mut self.ids, &x.ids),
-            (&mut self.positions, &x.positions),
-            (&mut self.slots, &x.slots),
-            (&mut self.decode_tables, &x.decode_tables),
-            (&mut self.decode_context, &x.decode_context),
-            (&mut self.prefill_tables, &x.prefill_tables),
-            (&mut self.prefill_context, &x.prefill_context),
-            (&mut self.cu_seqlens, &x.cu_seqlens),
-            (&mut self.tiles, &x.tiles),
-            (&mut self.sample_rows, &x.sample_rows),
-        ] {
+        let dsts = [
+            &mut self.ids,
+            &mut self.positions,
+            &mut self.slots,
+            &mut self.decode_tables,
+            &mut self.decode_context,
+            &mut self.prefill_tables,
+            &mut self.prefill_context,
+            &mut self.cu_seqlens,
+            &mut self.tiles,
+            &mut self.sample_rows,
+        ];
+        for (dst, values) in dsts.into_iter().zip(x.parts()) {
             if !values.is_empty() {
                 write_ints(dst, values)?;
             }
@@ -340,11 +371,12 @@ pub struct GraphCapture {
 }
 
 /// Token counts of the default graphs for `max_num_seqs` and `max_num_batched_tokens`: decode
-/// sizes 1, 8, 32, 128 and `max_num_seqs`, and mixed-step sizes 512, 1024 and 2048 (at most
-/// `max_num_batched_tokens`). Larger steps are cut to the largest by the scheduler; each graph
-/// pins the activations of a whole forward of its size.
+/// sizes 1, 8, 32, 128 and `max_num_seqs`, and mixed-step sizes 512 to 8192 by powers of two
+/// (at most `max_num_batched_tokens`). Larger steps are cut to the largest by the scheduler;
+/// each graph keeps the pages its forward touched (about 0.5 GiB each for Qwen2-0.5B on the
+/// H100).
 pub fn default_graph_sizes(max_num_seqs: usize, max_num_batched_tokens: usize) -> Vec<usize> {
-    let mut sizes: Vec<usize> = [1, 8, 32, 128, max_num_seqs, 512, 1024, 2048]
+    let mut sizes: Vec<usize> = [1, 8, 32, 128, max_num_seqs, 512, 1024, 2048, 4096, 8192]
         .into_iter()
         .filter(|&s| s <= max_num_batched_tokens)
         .collect();

@@ -152,7 +152,14 @@ impl LLMEngine {
             ),
         )
         // Steps shaped to the graphs that were captured.
-        .with_step_sizes(runner.graph_sizes());
+        .with_step_sizes(runner.graph_sizes(), {
+            let graphs = !runner.graph_sizes().is_empty();
+            if graphs {
+                crate::cuda_graph::MAX_PREFILL_CHUNKS
+            } else {
+                usize::MAX
+            }
+        });
         let limits = EngineLimits {
             max_model_len,
             num_kv_blocks,

@@ -78,6 +78,8 @@ pub struct Scheduler {
     num_preemptions: u64,
     /// Token counts steps are shaped to, ascending (empty: no shaping).
     step_sizes: Vec<usize>,
+    /// Most prefill chunks (of two tokens or more) in one step.
+    max_prefill_chunks: usize,
 }
 
 impl Scheduler {
@@ -92,14 +94,17 @@ impl Scheduler {
             block_manager,
             num_preemptions: 0,
             step_sizes: Vec::new(),
+            max_prefill_chunks: usize::MAX,
         }
     }
 
-    /// Shapes every step's token budget to `sizes` (module doc).
-    pub fn with_step_sizes(mut self, mut sizes: Vec<usize>) -> Self {
+    /// Shapes every step's token budget to `sizes` and holds at most `max_prefill_chunks`
+    /// prefill chunks (the graphs' capacity; module doc).
+    pub fn with_step_sizes(mut self, mut sizes: Vec<usize>, max_prefill_chunks: usize) -> Self {
         sizes.sort_unstable();
         sizes.dedup();
         self.step_sizes = sizes;
+        self.max_prefill_chunks = max_prefill_chunks.max(1);
         self
     }
 
@@ -180,6 +185,8 @@ impl Scheduler {
             let num_new = self.seqs[&id].num_new_tokens();
             let chunk = if num_new == 1 {
                 1
+            } else if chunks.len() >= self.max_prefill_chunks {
+                0
             } else {
                 num_new.min(prefill_budget)
             };
@@ -238,6 +245,7 @@ impl Scheduler {
         while out.preempted.is_empty()
             && self.running.len() < self.limits.max_num_seqs
             && prefill_budget > 0
+            && chunks.len() < self.max_prefill_chunks
         {
             let Some(&id) = self.waiting.front() else {
                 break;
@@ -287,22 +295,25 @@ impl Scheduler {
             return max;
         }
         let mut demand = num_decoding;
+        let mut chunks = 0;
         for id in &self.running {
             let n = self.seqs[id].num_new_tokens();
-            if n > 1 {
+            if n > 1 && chunks < self.max_prefill_chunks {
                 demand += n;
+                chunks += 1;
             }
         }
         let bs = self.block_manager.block_size();
         let mut places = self.limits.max_num_seqs.saturating_sub(self.running.len());
         for id in &self.waiting {
-            if places == 0 || demand >= cap {
+            if places == 0 || demand >= cap || chunks >= self.max_prefill_chunks {
                 break;
             }
             let seq = &self.seqs[id];
             let hit = self.block_manager.find_prefix(&seq.token_ids);
             demand += seq.num_tokens() - hit.blocks.len() * bs;
             places -= 1;
+            chunks += 1;
         }
         let demand = demand.min(cap);
         match self.step_sizes.iter().rev().find(|&&s| s <= demand) {

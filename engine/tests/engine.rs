@@ -10,5 +10,6 @@ mod engine {
     mod generation;
     mod sampler;
     mod scheduler;
+    mod shape_sweep;
     mod step_graphs;
 }

@@ -55,12 +55,17 @@ proptest! {
         extra_budget in 0usize..48,
         prefix_caching in any::<bool>(),
         token_seed in any::<u32>(),
+        step_sizes in prop::collection::vec(1usize..64, 0..4),
+        max_prefill_chunks in 1usize..4,
     ) {
         let max_num_batched_tokens = max_num_seqs + extra_budget;
+        // With step sizes (graph buckets), at most `max_prefill_chunks` prefill chunks a step.
+        let chunk_cap = if step_sizes.is_empty() { usize::MAX } else { max_prefill_chunks };
         let mut s = Scheduler::new(
             SchedulerLimits { max_num_seqs, max_num_batched_tokens },
             BlockManager::new(num_blocks, block_size, prefix_caching),
-        );
+        )
+        .with_step_sizes(step_sizes.clone(), chunk_cap);
         let capacity = num_blocks * block_size;
         // What each slot holds: (token, position), written when a step computes it.
         let mut kv: Vec<Option<(u32, usize)>> = vec![None; capacity];
@@ -84,6 +89,7 @@ proptest! {
             prop_assert!(out.seqs.len() <= max_num_seqs);
             prop_assert!(out.seqs[..out.num_decodes].iter().all(|q| q.num_new_tokens == 1));
             prop_assert!(out.seqs[out.num_decodes..].iter().all(|q| q.num_new_tokens > 1));
+            prop_assert!(out.seqs.len() - out.num_decodes <= chunk_cap);
             let bm = s.block_manager();
             if let Err(e) = bm.check_invariants(s.block_tables()) {
                 prop_assert!(false, "{}", e);

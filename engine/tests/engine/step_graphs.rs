@@ -142,7 +142,7 @@ fn steps_are_shaped_to_graph_sizes() {
             },
             BlockManager::new(64, 4, false),
         )
-        .with_step_sizes(sizes);
+        .with_step_sizes(sizes, 32);
         let params = std::sync::Arc::new(SamplingParams::default());
         for (id, len) in [(0u64, 30u32), (1, 30), (2, 3)] {
             s.add(Sequence::new(id, (0..len).collect(), params.clone(), 0));
@@ -168,4 +168,36 @@ fn steps_are_shaped_to_graph_sizes() {
     assert_eq!(steps(vec![32, 48], 3), [48, 16, 3]);
     // Without sizes, the budget alone: 63 tokens at once.
     assert_eq!(steps(Vec::new(), 2), [63, 3]);
+}
+
+/// With a cap of one prefill chunk a step, the three prompts take turns.
+#[test]
+fn steps_hold_at_most_the_graphs_prefill_chunks() {
+    let mut s = Scheduler::new(
+        SchedulerLimits {
+            max_num_seqs: 8,
+            max_num_batched_tokens: 64,
+        },
+        BlockManager::new(64, 4, false),
+    )
+    .with_step_sizes(vec![64], 1);
+    let params = std::sync::Arc::new(SamplingParams::default());
+    for id in 0..3u64 {
+        s.add(Sequence::new(id, (0..20).collect(), params.clone(), 0));
+    }
+    let mut tokens = Vec::new();
+    for _ in 0..4 {
+        let out = s.schedule();
+        assert!(out.seqs.len() - out.num_decodes <= 1);
+        tokens.push(out.num_tokens());
+        for seq in &out.seqs {
+            s.on_computed(seq);
+            if seq.samples {
+                s.get_mut(seq.id).unwrap().token_ids.push(1);
+            }
+        }
+    }
+    // One 20-token prompt a step (a demand of 20: no size fits under it, so it runs whole),
+    // joined by the decodes of those before it.
+    assert_eq!(tokens, [20, 21, 22, 3]);
 }
