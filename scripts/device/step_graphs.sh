@@ -8,7 +8,9 @@
 #      goldens and eager steps, padding, prefix hits, preemption; kernel tests on CUDA;
 #   2. `benches throughput` 1,000 × (528 + 136), equal lengths and ±90 %; bench.py (`nano`); one
 #      request 512 + 128 (`latency`);
-#   3. the eager step's host profile (`--enforce-eager --host-profile`, ±90 %, 300 requests).
+#   3. the eager step's host profile (`--enforce-eager --host-profile`, ±90 %, 300 requests), and
+#      eager steps with CUDA's stream-ordered allocator (`alloc`);
+#   4. the shape sweep under compute-sanitizer (`sanitize`).
 # SECTIONS (default "tests bench profile") picks which to run. Logs go to $OUT.
 set -uo pipefail
 cd "$(dirname "$0")/../.."
@@ -26,6 +28,12 @@ if [[ " $SECTIONS " == *" tests "* && -x /tmp/bin/engine ]]; then
   ENGINE_TEST_DEVICE=cuda timeout 420 /tmp/bin/engine --test-threads=1 --skip cubecl_cpu --skip cpu_targets 2>&1 \
     | tee "$OUT/engine_tests.log" | grep -E "^test |test result|panicked|rror|left|right" | tail -40
 fi
+if [[ " $SECTIONS " == *" sanitize "* && -x /tmp/bin/engine ]]; then
+  echo "== shape sweep under compute-sanitizer (memcheck)"
+  ENGINE_TEST_DEVICE=cuda timeout 500 compute-sanitizer --tool memcheck --print-limit 20 --show-backtrace no \
+    /tmp/bin/engine --exact engine::shape_sweep::every_config_shape_matches_the_reference --test-threads=1 --nocapture 2>&1 \
+    | tee "$OUT/sanitize.log" | grep -E "shape [0-9]|=========|test result|panicked" | tail -40
+fi
 if [[ " $SECTIONS " == *" kernels "* && -x /tmp/bin/kernels ]]; then
   echo "== kernel tests on CUDA"
   KERNEL_TEST_DEVICE=cuda timeout 300 /tmp/bin/kernels --test-threads=1 2>&1 \
@@ -42,6 +50,17 @@ if [[ " $SECTIONS " == *" bench "* && -x $B ]]; then
   echo "== one request, 512 + 128"
   timeout 150 $B latency --device cuda --batch-size 1 --input-len 512 --output-len 128 --iters 5 ${EXTRA:-} \
     --out "$OUT/latency.json" 2>&1 | tee "$OUT/latency.log" | quiet | tail -4
+fi
+if [[ " $SECTIONS " == *" alloc "* && -x $B ]]; then
+  # Eager steps with CUDA's stream-ordered allocator: whether pool growth and release (cuMemFree
+  # synchronises the device) is where an eager step waits.
+  mkdir -p /tmp/alloc && printf '[memory.cuda]\nallocator = "async"\n' > /tmp/alloc/cubecl.toml
+  for mode in sync async; do
+    echo "== eager steps, allocator $mode (±90 %, 300 requests)"
+    dir=/tmp; [ $mode = async ] && dir=/tmp/alloc
+    (cd $dir && timeout 150 $B throughput --device cuda --num-prompts 300 --input-len 528 --output-len 136 \
+      --random-range-ratio 0.9 --enforce-eager --out "$OUT/tp-eager-$mode.json" 2>&1 | tee "$OUT/tp-eager-$mode.log" | quiet | tail -9)
+  done
 fi
 if [[ " $SECTIONS " == *" profile "* && -x $B ]]; then
   echo "== eager steps, host profile (±90 %, 300 requests)"
