@@ -6,5 +6,6 @@ mod kernels {
     pub mod common;
     mod cpu_builtins;
     mod linear;
+    mod model_shapes;
     mod sampling;
 }

@@ -39,17 +39,26 @@ if [[ " $SECTIONS " == *" kernels "* && -x /tmp/bin/kernels ]]; then
   KERNEL_TEST_DEVICE=cuda timeout 300 /tmp/bin/kernels --test-threads=1 2>&1 \
     | tee "$OUT/kernel_tests.log" | grep -E "^test |test result|panicked|rror" | tail -30
 fi
+# The engine figures of one binary: equal lengths, ±90 %, bench.py, one request.
+bench() {
+  local bin=$1 tag=$2
+  local T="throughput --device cuda --num-prompts 1000 --input-len 528 --output-len 136"
+  echo "== [$tag] throughput, equal lengths"
+  timeout 200 $bin $T ${EXTRA:-} --out "$OUT/$tag-tp-equal.json" 2>&1 | tee "$OUT/$tag-tp-equal.log" | quiet | tail -3
+  echo "== [$tag] throughput, ±90 %"
+  timeout 200 $bin $T --random-range-ratio 0.9 ${EXTRA:-} --out "$OUT/$tag-tp-range.json" 2>&1 | tee "$OUT/$tag-tp-range.log" | quiet | tail -3
+  echo "== [$tag] bench.py (nano)"
+  timeout 200 $bin nano --device cuda ${EXTRA:-} --out "$OUT/$tag-nano.json" 2>&1 | tee "$OUT/$tag-nano.log" | quiet | tail -3
+  echo "== [$tag] one request, 512 + 128"
+  timeout 150 $bin latency --device cuda --batch-size 1 --input-len 512 --output-len 128 --iters 5 ${EXTRA:-} \
+    --out "$OUT/$tag-latency.json" 2>&1 | tee "$OUT/$tag-latency.log" | quiet | tail -3
+}
 if [[ " $SECTIONS " == *" bench "* && -x $B ]]; then
-  T="throughput --device cuda --num-prompts 1000 --input-len 528 --output-len 136"
-  echo "== throughput, equal lengths"
-  timeout 200 $B $T ${EXTRA:-} --out "$OUT/tp-equal.json" 2>&1 | tee "$OUT/tp-equal.log" | quiet | tail -22
-  echo "== throughput, ±90 %"
-  timeout 200 $B $T --random-range-ratio 0.9 ${EXTRA:-} --out "$OUT/tp-range.json" 2>&1 | tee "$OUT/tp-range.log" | quiet | tail -12
-  echo "== bench.py (nano)"
-  timeout 200 $B nano --device cuda ${EXTRA:-} --out "$OUT/nano.json" 2>&1 | tee "$OUT/nano.log" | quiet | tail -12
-  echo "== one request, 512 + 128"
-  timeout 150 $B latency --device cuda --batch-size 1 --input-len 512 --output-len 128 --iters 5 ${EXTRA:-} \
-    --out "$OUT/latency.json" 2>&1 | tee "$OUT/latency.log" | quiet | tail -4
+  bench $B new
+fi
+# The build before the step graphs (dist-old/benches-old.xz), same commands.
+if [[ " $SECTIONS " == *" old "* && -x /tmp/bin/benches-old ]]; then
+  bench /tmp/bin/benches-old old
 fi
 if [[ " $SECTIONS " == *" alloc "* && -x $B ]]; then
   # Eager steps with CUDA's stream-ordered allocator: whether pool growth and release (cuMemFree

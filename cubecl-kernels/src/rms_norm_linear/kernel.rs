@@ -59,12 +59,13 @@ pub struct TiledConfig {
 
 /// Sum of `value` over the whole cube, returned to every unit.
 ///
-/// `scratch` needs `CUBE_DIM` slots. With `use_plane`, plane sums meet in shared memory;
-/// otherwise every unit's value goes through shared memory.
+/// `scratch` needs `CUBE_DIM` slots. With `use_plane`, plane sums meet in shared memory (a
+/// last, partial plane included: a cube need not be a whole number of planes); otherwise every
+/// unit's value goes through shared memory.
 #[cube]
 pub fn cube_sum(value: f32, scratch: &mut Shared<[f32]>, #[comptime] use_plane: bool) -> f32 {
     let parts = if comptime!(use_plane) {
-        CUBE_DIM_X / PLANE_DIM
+        (CUBE_DIM_X + PLANE_DIM - 1) / PLANE_DIM
     } else {
         CUBE_DIM_X
     };
@@ -267,7 +268,7 @@ pub fn linear_skinny<F: Float, NV: Size>(
     let tile = comptime!(cfg.m_tile * cfg.rows);
     let mut scratch = Shared::<[f32]>::new_slice(comptime!(cfg.m_tile * cfg.rows * cfg.cube_dim));
     let parts = if comptime!(cfg.use_plane) {
-        CUBE_DIM_X / PLANE_DIM
+        (CUBE_DIM_X + PLANE_DIM - 1) / PLANE_DIM
     } else {
         CUBE_DIM_X
     };

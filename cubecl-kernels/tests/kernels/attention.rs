@@ -53,10 +53,10 @@ impl Layout {
     }
 }
 
-struct Heads {
-    heads: usize,
-    kv_heads: usize,
-    d: usize,
+pub(super) struct Heads {
+    pub heads: usize,
+    pub kv_heads: usize,
+    pub d: usize,
 }
 
 fn cache(
@@ -74,7 +74,7 @@ fn cache(
 }
 
 /// Attention of random queries over a random cache, kernel vs reference.
-fn check_attention(
+pub(super) fn check_attention(
     rng: &mut StdRng,
     seqs: &[(usize, usize)],
     block_size: usize,
@@ -347,103 +347,118 @@ fn rope_store_kv_matches_reference() {
             DType::BF16,
         ),
     ] {
-        let l = Layout::new(&mut rng, &[(5, 9), (1, 17), (3, 3)], 16);
-        let what = format!(
-            "heads={}/{} d={} qk_norm={qk_norm} row_scale={row_scale:?} {dtype:?}",
-            h.heads, h.kv_heads, h.d
-        );
-        let t = l.tokens();
-        let width = (h.heads + 2 * h.kv_heads) * h.d;
-        let qkv = random(&mut rng, t * width, 2.0, dtype);
-        // The row-scale input (K = 72: vectors of 4 or 8; 896 as in Qwen2-0.5B), rows scaled
-        // by powers of two (exact) so that each row has its own scale, and the projection's bias.
+        // The row-scale input: K = 72 (vectors of 4 or 8); 896 as in Qwen2-0.5B.
         let kx = if dtype == DType::BF16 { 896 } else { 72 };
-        let xs = row_scaled(random(&mut rng, t * kx, 3.0, dtype), kx);
-        let bias = random(&mut rng, width, 0.5, dtype);
-        let cache_len = l.num_blocks * l.block_size * h.kv_heads * h.d;
-        let kv = (
-            random(&mut rng, cache_len, 1.0, dtype),
-            random(&mut rng, cache_len, 1.0, dtype),
-        );
-        let norms: Vec<Vec<f32>> = (0..2)
-            .map(|_| {
-                random(&mut rng, h.d, 0.5, dtype)
-                    .iter()
-                    .map(|v| v + 1.0)
-                    .collect()
-            })
-            .collect();
-        let max_pos = 64;
-        let angles: Vec<f32> = (0..max_pos * h.d / 2)
-            .map(|i| (i / (h.d / 2)) as f32 * rng.random::<f32>())
-            .collect();
-        let skip = rng.random_range(0..t);
-        let run = |device: &Device, dtype: DType, kernel: bool| {
-            let mut cache = cache(&kv, &l, &h, dtype, device);
-            let mut meta = l.meta(device);
-            if !kernel {
-                meta.slot_mapping[skip] = -1;
-            } else {
-                meta = with_skipped_slot(meta, skip, device);
-            }
-            let cos = tensor(
-                &angles.iter().map(|a| a.cos()).collect::<Vec<_>>(),
-                [max_pos, h.d / 2],
-                DType::F32,
-                device,
-            );
-            let sin = tensor(
-                &angles.iter().map(|a| a.sin()).collect::<Vec<_>>(),
-                [max_pos, h.d / 2],
-                DType::F32,
-                device,
-            );
-            let (qn, kn) = (
-                tensor(&norms[0], [h.d], dtype, device),
-                tensor(&norms[1], [h.d], dtype, device),
-            );
-            let norm = qk_norm.then_some(QkNorm {
-                q: &qn,
-                k: &kn,
-                eps: 1e-6,
-            });
-            let qkv = tensor(&qkv, [t, width], dtype, device);
-            let rope = Rope {
-                cos: &cos,
-                sin: &sin,
-            };
-            let (x, b) = (
-                tensor(&xs, [t, kx], dtype, device),
-                tensor(&bias, [width], dtype, device),
-            );
-            let scale = row_scale.map(|with_bias| RowScale {
-                input: &x,
-                bias: with_bias.then_some(&b),
-                eps: 1e-6,
-            });
-            let q = if kernel {
-                cubecl_kernels::rope_store_kv(qkv, h.heads, scale, norm, rope, &meta, &mut cache)
-            } else {
-                let qkv = match scale {
-                    Some(s) => s.apply(qkv),
-                    None => qkv,
-                };
-                reference::rope_store_kv(qkv, h.heads, norm, rope, &meta, &mut cache)
-            };
-            (host(q), host(cache.k), host(cache.v))
-        };
-        let (q, k, v) = run(&kernel_device(), dtype, true);
-        let (q_ref, k_ref, v_ref) = run(&reference_device(), DType::F32, false);
-        assert_rel(&format!("{what}: q"), &q, &q_ref, tolerance(dtype));
-        assert_rel(&format!("{what}: k cache"), &k, &k_ref, tolerance(dtype));
-        assert_rel(&format!("{what}: v cache"), &v, &v_ref, tolerance(dtype));
-        // Untouched slots keep their old content exactly, the skipped token's slot included.
-        let untouched = |c: &[f32], old: &[f32]| c.iter().zip(old).filter(|(a, b)| a == b).count();
-        assert!(
-            untouched(&k, &kv.0) >= cache_len - (t - 1) * h.kv_heads * h.d,
-            "{what}: writes outside the slots"
-        );
+        check_rope_store_kv(&mut rng, &h, qk_norm, row_scale, dtype, kx);
     }
+}
+
+/// `rope_store_kv` of a three-sequence batch (one token skipped) against the reference:
+/// queries, both caches, and no write outside the new tokens' slots. `kx`: the row-scale
+/// input's width.
+pub(super) fn check_rope_store_kv(
+    rng: &mut StdRng,
+    h: &Heads,
+    qk_norm: bool,
+    row_scale: Option<bool>,
+    dtype: DType,
+    kx: usize,
+) {
+    let l = Layout::new(rng, &[(5, 9), (1, 17), (3, 3)], 16);
+    let what = format!(
+        "heads={}/{} d={} qk_norm={qk_norm} row_scale={row_scale:?} {dtype:?}",
+        h.heads, h.kv_heads, h.d
+    );
+    let t = l.tokens();
+    let width = (h.heads + 2 * h.kv_heads) * h.d;
+    let qkv = random(rng, t * width, 2.0, dtype);
+    // The row-scale input (`kx` wide), rows scaled by powers of two (exact) so that each row
+    // has its own scale, and the projection's bias.
+    let xs = row_scaled(random(rng, t * kx, 3.0, dtype), kx);
+    let bias = random(rng, width, 0.5, dtype);
+    let cache_len = l.num_blocks * l.block_size * h.kv_heads * h.d;
+    let kv = (
+        random(rng, cache_len, 1.0, dtype),
+        random(rng, cache_len, 1.0, dtype),
+    );
+    let norms: Vec<Vec<f32>> = (0..2)
+        .map(|_| {
+            random(rng, h.d, 0.5, dtype)
+                .iter()
+                .map(|v| v + 1.0)
+                .collect()
+        })
+        .collect();
+    let max_pos = 64;
+    let angles: Vec<f32> = (0..max_pos * h.d / 2)
+        .map(|i| (i / (h.d / 2)) as f32 * rng.random::<f32>())
+        .collect();
+    let skip = rng.random_range(0..t);
+    let run = |device: &Device, dtype: DType, kernel: bool| {
+        let mut cache = cache(&kv, &l, &h, dtype, device);
+        let mut meta = l.meta(device);
+        if !kernel {
+            meta.slot_mapping[skip] = -1;
+        } else {
+            meta = with_skipped_slot(meta, skip, device);
+        }
+        let cos = tensor(
+            &angles.iter().map(|a| a.cos()).collect::<Vec<_>>(),
+            [max_pos, h.d / 2],
+            DType::F32,
+            device,
+        );
+        let sin = tensor(
+            &angles.iter().map(|a| a.sin()).collect::<Vec<_>>(),
+            [max_pos, h.d / 2],
+            DType::F32,
+            device,
+        );
+        let (qn, kn) = (
+            tensor(&norms[0], [h.d], dtype, device),
+            tensor(&norms[1], [h.d], dtype, device),
+        );
+        let norm = qk_norm.then_some(QkNorm {
+            q: &qn,
+            k: &kn,
+            eps: 1e-6,
+        });
+        let qkv = tensor(&qkv, [t, width], dtype, device);
+        let rope = Rope {
+            cos: &cos,
+            sin: &sin,
+        };
+        let (x, b) = (
+            tensor(&xs, [t, kx], dtype, device),
+            tensor(&bias, [width], dtype, device),
+        );
+        let scale = row_scale.map(|with_bias| RowScale {
+            input: &x,
+            bias: with_bias.then_some(&b),
+            eps: 1e-6,
+        });
+        let q = if kernel {
+            cubecl_kernels::rope_store_kv(qkv, h.heads, scale, norm, rope, &meta, &mut cache)
+        } else {
+            let qkv = match scale {
+                Some(s) => s.apply(qkv),
+                None => qkv,
+            };
+            reference::rope_store_kv(qkv, h.heads, norm, rope, &meta, &mut cache)
+        };
+        (host(q), host(cache.k), host(cache.v))
+    };
+    let (q, k, v) = run(&kernel_device(), dtype, true);
+    let (q_ref, k_ref, v_ref) = run(&reference_device(), DType::F32, false);
+    assert_rel(&format!("{what}: q"), &q, &q_ref, tolerance(dtype));
+    assert_rel(&format!("{what}: k cache"), &k, &k_ref, tolerance(dtype));
+    assert_rel(&format!("{what}: v cache"), &v, &v_ref, tolerance(dtype));
+    // Untouched slots keep their old content exactly, the skipped token's slot included.
+    let untouched = |c: &[f32], old: &[f32]| c.iter().zip(old).filter(|(a, b)| a == b).count();
+    assert!(
+        untouched(&k, &kv.0) >= cache_len - (t - 1) * h.kv_heads * h.d,
+        "{what}: writes outside the slots"
+    );
 }
 
 /// Metadata whose token `skip` has slot −1 on the device too.

@@ -22,7 +22,7 @@ const SHAPES: [(usize, usize, usize); 9] = [
     (9, 4200, 24),
 ];
 
-struct Case {
+pub(super) struct Case {
     m: usize,
     k: usize,
     n: usize,
@@ -37,7 +37,11 @@ struct Case {
 }
 
 impl Case {
-    fn new(rng: &mut rand::rngs::StdRng, (m, k, n): (usize, usize, usize), dtype: DType) -> Self {
+    pub(super) fn new(
+        rng: &mut rand::rngs::StdRng,
+        (m, k, n): (usize, usize, usize),
+        dtype: DType,
+    ) -> Self {
         Self {
             m,
             k,
@@ -54,7 +58,7 @@ impl Case {
 }
 
 /// Runs `op` on the kernel device and on the reference device with the same inputs.
-fn check(name: &str, c: &Case, bias: bool) {
+pub(super) fn check(name: &str, c: &Case, bias: bool) {
     let (kd, rd) = (kernel_device(), reference_device());
     let dt = c.dtype;
     let route = {
@@ -152,7 +156,6 @@ fn fused_ops_match_reference_half_precision() {
 /// vectors per unit, `T` = 300 whole rows of 608 vectors).
 #[test]
 fn silu_mul_matches_reference() {
-    use cubecl_kernels::{RowScale, silu_mul};
     let mut rng = rng("silu_mul_matches_reference");
     // (T, I, K of the row-scale input, row scale: None or Some(bias), dtype)
     let cases = [
@@ -167,33 +170,47 @@ fn silu_mul_matches_reference() {
         (300, 4864, 128, Some(false), DType::F16),
     ];
     for (t, i, k, scaled, dtype) in cases {
-        let what = format!("silu_mul T={t} I={i} K={k} row_scale={scaled:?} {dtype:?}");
-        eprintln!("{what}");
-        let gu = random(&mut rng, t * 2 * i, 3.0, dtype);
-        let xs = row_scaled(random(&mut rng, t * k, 2.0, dtype), k);
-        let bias = random(&mut rng, 2 * i, 0.5, dtype);
-        let run = |dev: &burn::tensor::Device, dt: DType, kernel: bool| {
-            if kernel {
-                poison_pool(dev, 4 * t * 2 * i + 4096);
-            }
-            let gu = tensor(&gu, [t, 2 * i], dt, dev);
-            let x = tensor(&xs, [t, k], dt, dev);
-            let b = tensor(&bias, [2 * i], dt, dev);
-            let scale = scaled.map(|with_bias| RowScale {
-                input: &x,
-                bias: with_bias.then_some(&b),
-                eps: 1e-6,
-            });
-            host(if kernel {
-                silu_mul(gu, scale)
-            } else {
-                cubecl_kernels::silu_mul::reference(gu, scale)
-            })
-        };
-        let y = run(&kernel_device(), dtype, true);
-        let y_ref = run(&reference_device(), DType::F32, false);
-        assert_rel(&what, &y, &y_ref, tolerance(dtype));
+        check_silu_mul(&mut rng, t, i, k, scaled, dtype);
     }
+}
+
+/// `silu_mul` of `gate_up [T, 2·I]` (with the row scale of a `[T, K]` input, and its bias when
+/// `scaled` is `Some(true)`) against the reference.
+pub(super) fn check_silu_mul(
+    rng: &mut rand::rngs::StdRng,
+    t: usize,
+    i: usize,
+    k: usize,
+    scaled: Option<bool>,
+    dtype: DType,
+) {
+    use cubecl_kernels::{RowScale, silu_mul};
+    let what = format!("silu_mul T={t} I={i} K={k} row_scale={scaled:?} {dtype:?}");
+    eprintln!("{what}");
+    let gu = random(rng, t * 2 * i, 3.0, dtype);
+    let xs = row_scaled(random(rng, t * k, 2.0, dtype), k);
+    let bias = random(rng, 2 * i, 0.5, dtype);
+    let run = |dev: &burn::tensor::Device, dt: DType, kernel: bool| {
+        if kernel {
+            poison_pool(dev, 4 * t * 2 * i + 4096);
+        }
+        let gu = tensor(&gu, [t, 2 * i], dt, dev);
+        let x = tensor(&xs, [t, k], dt, dev);
+        let b = tensor(&bias, [2 * i], dt, dev);
+        let scale = scaled.map(|with_bias| RowScale {
+            input: &x,
+            bias: with_bias.then_some(&b),
+            eps: 1e-6,
+        });
+        host(if kernel {
+            silu_mul(gu, scale)
+        } else {
+            cubecl_kernels::silu_mul::reference(gu, scale)
+        })
+    };
+    let y = run(&kernel_device(), dtype, true);
+    let y_ref = run(&reference_device(), DType::F32, false);
+    assert_rel(&what, &y, &y_ref, tolerance(dtype));
 }
 
 /// The route of each size: skinny at decode sizes; above them cuBLASLt on CUDA (unless

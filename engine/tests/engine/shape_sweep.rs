@@ -16,7 +16,7 @@ use rand::{Rng, SeedableRng, rngs::StdRng};
 
 use super::common::{greedy, run_all, test_device};
 
-/// One config of the sweep.
+/// One config of the sweep (`fixtures/shape-sweep.json`).
 #[derive(Clone, Copy, Debug)]
 struct Shape {
     qwen3: bool,
@@ -29,42 +29,28 @@ struct Shape {
     tied: bool,
 }
 
-/// The sweep: head dims 16–256, MHA / GQA 3, 4, 7, 16 / MQA, hidden sizes off multiples of 32
-/// and 64 (Qwen2's hidden is heads × head_dim; Qwen3's is free), odd and prime vocabularies.
-const SHAPES: [Shape; 10] = [
-    shape(false, 48, 3, 3, 16, 72, 257, true),
-    shape(false, 144, 6, 2, 24, 200, 511, false),
-    shape(false, 320, 8, 1, 40, 212, 300, true),
-    shape(true, 100, 4, 1, 48, 160, 331, false),
-    shape(true, 90, 7, 7, 80, 130, 509, true),
-    shape(true, 200, 8, 2, 96, 300, 1001, false),
-    shape(false, 448, 7, 1, 64, 500, 1021, true),
-    shape(true, 60, 2, 1, 128, 96, 513, false),
-    shape(true, 72, 2, 2, 256, 100, 257, true),
-    shape(true, 120, 16, 1, 32, 150, 997, false),
-];
-
-#[allow(clippy::too_many_arguments)]
-const fn shape(
-    qwen3: bool,
-    hidden: usize,
-    heads: usize,
-    kv_heads: usize,
-    head_dim: usize,
-    intermediate: usize,
-    vocab: usize,
-    tied: bool,
-) -> Shape {
-    Shape {
-        qwen3,
-        hidden,
-        heads,
-        kv_heads,
-        head_dim,
-        intermediate,
-        vocab,
-        tied,
-    }
+/// The sweep's shapes, shared with the kernels' per-op test.
+fn shapes() -> Vec<Shape> {
+    let path = super::common::fixture("shape-sweep.json");
+    let file: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(&path).unwrap()).unwrap();
+    let shapes = file["shapes"].as_array().unwrap();
+    shapes
+        .iter()
+        .map(|s| {
+            let n = |k: &str| s[k].as_u64().unwrap_or_else(|| panic!("{k}")) as usize;
+            Shape {
+                qwen3: s["qwen3"].as_bool().unwrap(),
+                hidden: n("hidden"),
+                heads: n("heads"),
+                kv_heads: n("kv_heads"),
+                head_dim: n("head_dim"),
+                intermediate: n("intermediate"),
+                vocab: n("vocab"),
+                tied: s["tied"].as_bool().unwrap(),
+            }
+        })
+        .collect()
 }
 
 impl Shape {
@@ -226,7 +212,7 @@ fn every_config_shape_matches_the_reference() {
     let root = std::env::temp_dir().join(format!("burn-nanovllm-sweep-{}", std::process::id()));
     let device = kernel_device();
     let bf16_too = matches!(device, DeviceKind::Cuda(_));
-    for (n, shape) in SHAPES.iter().enumerate() {
+    for (n, shape) in shapes().iter().enumerate() {
         let dir = shape.write_checkpoint(&root);
         let what = dir.file_name().unwrap().to_string_lossy().into_owned();
         eprintln!("shape {n}: {what} on {device:?}");
