@@ -34,9 +34,15 @@ impl LayerKvCache {
             )));
         }
         let shape = [num_blocks, block_size, num_kv_heads, head_dim];
+        // Made 1-D and viewed as 4-D: the kernels index the cache contiguously, and a 4-D CUDA
+        // tensor is row-pitched when a head's row is not a power of two of bytes (head_dim 24,
+        // 40, 48, 80, 96, …), which would make every write copy the whole layer.
+        let zeros = || {
+            Tensor::<1>::zeros([shape.iter().product::<usize>()], (device, dtype)).reshape(shape)
+        };
         Ok(Self {
-            k: Tensor::zeros(shape, (device, dtype)),
-            v: Tensor::zeros(shape, (device, dtype)),
+            k: zeros(),
+            v: zeros(),
         })
     }
 

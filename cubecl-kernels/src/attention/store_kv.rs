@@ -185,8 +185,10 @@ pub(crate) mod kernel {
             }
             let (mut y1, mut y2) = (x1, x2);
             if comptime!(cfg.rope) {
-                let c = cos[pos * half + j];
-                let s = sin[pos * half + j];
+                // The tables' rows may be pitched (a 2-D CUDA tensor pads rows to a power of
+                // two: head_dim/2 = 12, 20, 24, 40, 48 f32 are): index through the row stride.
+                let c = cos[pos * cos.stride(0) + j];
+                let s = sin[pos * sin.stride(0) + j];
                 y1 = x1 * c - x2 * s;
                 y2 = x2 * c + x1 * s;
             }
@@ -261,6 +263,8 @@ pub(crate) fn rope_store_kv(
         use_plane: caps.plane_ops && layout.head_dim / 2 >= caps.plane_size,
     };
     let x = unit_inner_stride(x);
+    // Read by row stride (rows may be pitched), elements contiguous.
+    let (cos, sin) = (unit_inner_stride(cos), unit_inner_stride(sin));
     let xv = if layout.row_scale {
         vector_size(dtype, &[x.meta.shape()[1], x.meta.strides()[0]])
     } else {

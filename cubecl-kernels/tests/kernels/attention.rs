@@ -402,13 +402,14 @@ pub(super) fn check_rope_store_kv(
         } else {
             meta = with_skipped_slot(meta, skip, device);
         }
-        let cos = tensor(
+        // Pitched tables and row-scale input on every device, as on CUDA.
+        let cos = strided(
             &angles.iter().map(|a| a.cos()).collect::<Vec<_>>(),
             [max_pos, h.d / 2],
             DType::F32,
             device,
         );
-        let sin = tensor(
+        let sin = strided(
             &angles.iter().map(|a| a.sin()).collect::<Vec<_>>(),
             [max_pos, h.d / 2],
             DType::F32,
@@ -459,6 +460,22 @@ pub(super) fn check_rope_store_kv(
         untouched(&k, &kv.0) >= cache_len - (t - 1) * h.kv_heads * h.d,
         "{what}: writes outside the slots"
     );
+}
+
+/// `values` `[rows, cols]` as a view with a row pitch of the next power of two above `cols`
+/// elements (as CUDA pitches 2-D tensors, on every device), the padding NaN.
+fn strided(
+    values: &[f32],
+    [rows, cols]: [usize; 2],
+    dtype: DType,
+    device: &Device,
+) -> burn::tensor::Tensor<2> {
+    let pitch = (cols + 1).next_power_of_two();
+    let mut padded = vec![f32::NAN; rows * pitch];
+    for r in 0..rows {
+        padded[r * pitch..r * pitch + cols].copy_from_slice(&values[r * cols..(r + 1) * cols]);
+    }
+    tensor(&padded, [rows, pitch], dtype, device).slice([0..rows, 0..cols])
 }
 
 /// Metadata whose token `skip` has slot −1 on the device too.
