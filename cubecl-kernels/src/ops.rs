@@ -286,6 +286,9 @@ impl KernelOps for CubeBackend {
         tiles: IntTensor<Self>,
         plan: AttentionPlan,
     ) -> FloatTensor<Self> {
+        // The kernels index the caches contiguously; a pitched one (a 4-D CUDA tensor whose
+        // head rows are not a power of two of bytes) is read through a contiguous copy.
+        let (k_cache, v_cache) = (contiguous(k_cache), contiguous(v_cache));
         let launch = AttentionLaunch::new(q, &k_cache);
         if let Some(bound) = plan.decode_context_bound {
             decode::paged_decode(
@@ -324,5 +327,14 @@ impl KernelOps for CubeBackend {
         params_u: IntTensor<Self>,
     ) -> IntTensor<Self> {
         sampling::launch::sample(logits, params_f, params_u)
+    }
+}
+
+/// `t` itself when contiguous, else a contiguous copy.
+fn contiguous(t: FloatTensor<CubeBackend>) -> FloatTensor<CubeBackend> {
+    if t.is_contiguous() {
+        t
+    } else {
+        burn_cubecl::kernel::into_contiguous(t)
     }
 }
