@@ -28,6 +28,36 @@ pub struct WideGroupConfig {
     pub use_plane: bool,
 }
 
+/// How the PV phase spreads a cube over keys: `lanes` units share one value row of `dv`
+/// vectors (`slots` each), `kgroups` keys are in flight, each unit walks `keys_per_group` of a
+/// chunk's keys. `lanes` divides `dv`; when it does not divide the cube, the last
+/// `units − kgroups·lanes` units sit the PV phase out (D = 40 in f32: 10 vectors a row, 25 key
+/// groups of a 256-unit cube).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(super) struct PvSplit {
+    pub lanes: usize,
+    pub slots: usize,
+    pub kgroups: usize,
+    pub keys_per_group: usize,
+}
+
+impl PvSplit {
+    /// The split of a `units`-wide cube over rows of `dv` vectors.
+    pub fn new(dv: usize, units: usize) -> Self {
+        let mut lanes = dv.min(units).max(1);
+        while dv % lanes != 0 {
+            lanes -= 1;
+        }
+        let kgroups = units / lanes;
+        Self {
+            lanes,
+            slots: dv / lanes,
+            kgroups,
+            keys_per_group: units.div_ceil(kgroups),
+        }
+    }
+}
+
 /// Per-head reduction over the cube: `values[g]` of every unit → totals (max or sum) in
 /// `out[g]`, visible to all units. `scratch`: `group × CUBE_DIM` slots.
 #[cube]
@@ -114,10 +144,10 @@ pub fn paged_decode_wide_group<F: Float, NV: Size>(
     let units = cfg.cube_dim;
     let nv = k_cache.vector_size();
     let dv = comptime!(cfg.head_dim / nv); // vectors per key row
-    let lanes = comptime!(if dv < units { dv } else { units }); // units per key in the PV phase
-    let kgroups = comptime!(units / lanes); // keys in flight in the PV phase
-    let slots = comptime!(dv / lanes); // vectors of a key row per unit
-    let keys_per_group = comptime!(units / kgroups);
+    let lanes = comptime!(PvSplit::new(dv, units).lanes); // units per key in the PV phase
+    let kgroups = comptime!(PvSplit::new(dv, units).kgroups); // keys in flight in the PV phase
+    let slots = comptime!(PvSplit::new(dv, units).slots); // vectors of a key row per unit
+    let keys_per_group = comptime!(PvSplit::new(dv, units).keys_per_group);
     let heads = comptime!(cfg.group * cfg.kv_heads);
     let ctx = context_lens[seq] as usize;
     // A padding row of a captured step (no sequence): nothing to read or write.
@@ -233,7 +263,7 @@ pub fn paged_decode_wide_group<F: Float, NV: Size>(
         #[unroll]
         for i in 0..keys_per_group {
             let kk = kgroup + i * kgroups;
-            if kk < n_keys {
+            if kgroup < kgroups && kk < n_keys {
                 let vbase = base_s[kk] as usize;
                 #[unroll]
                 for sl in 0..slots {
@@ -262,14 +292,16 @@ pub fn paged_decode_wide_group<F: Float, NV: Size>(
         cfg.use_plane,
     );
     let mut red = Shared::<[f32]>::new_slice(comptime!(kgroups * cfg.group * cfg.head_dim));
-    #[unroll]
-    for g in 0..group {
+    if kgroup < kgroups {
         #[unroll]
-        for sl in 0..slots {
-            let a = acc[g * slots + sl];
+        for g in 0..group {
             #[unroll]
-            for e in 0..nv {
-                red[(kgroup * group + g) * d + (lane + sl * lanes) * nv + e] = a.extract(e);
+            for sl in 0..slots {
+                let a = acc[g * slots + sl];
+                #[unroll]
+                for e in 0..nv {
+                    red[(kgroup * group + g) * d + (lane + sl * lanes) * nv + e] = a.extract(e);
+                }
             }
         }
     }
