@@ -427,8 +427,9 @@ fn print_graphs(limits: &engine::EngineLimits) {
     }
     for c in &limits.graph_captures {
         eprintln!(
-            "graph {} tokens: captured in {:.2} s, {} MiB of device memory",
+            "graph {} tokens{}: captured in {:.2} s, {} MiB of device memory",
             c.tokens,
+            if c.decode_only { " (decode only)" } else { "" },
             c.time.as_secs_f64(),
             c.bytes.map_or("?".into(), |b| (b >> 20).to_string())
         );

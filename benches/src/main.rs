@@ -104,9 +104,16 @@ struct Cli {
     /// Serve, throughput and latency suites: output tokens per request.
     #[arg(long, default_value_t = 128)]
     output_len: usize,
-    /// Throughput suite: lengths vary uniformly by ± this fraction.
+    /// Throughput and serve suites: lengths vary uniformly by ± this fraction.
     #[arg(long, default_value_t = 0.0)]
     random_range_ratio: f64,
+    /// Serve suite without `--url`: serve the in-process engine over HTTP on a loopback port
+    /// (the OpenAI server of `burn-nanovllm serve`) rather than calling its engine thread.
+    #[arg(long)]
+    http: bool,
+    /// Serve suite: most requests in flight (vLLM's `--max-concurrency`; default: no bound).
+    #[arg(long)]
+    max_concurrency: Option<usize>,
     /// Latency suite: batch sizes (comma-separated).
     #[arg(long, value_delimiter = ',', default_values_t = [1usize, 64])]
     batch_size: Vec<usize>,
@@ -326,9 +333,13 @@ fn main() -> Result<()> {
                 engine_bench::build_engine(&setup, &engine_device, dtype)
                     .map_err(|e| burn_nanovllm::LlmError::Invalid(format!("{e:#}")))
             };
-            let (metrics, _) = burn_nanovllm::server::Metrics::new();
-            let handle = burn_nanovllm::server::EngineHandle::spawn(make, usize::MAX, metrics)?;
-            serve_target = Some(serve_bench::Target::Engine(std::sync::Arc::new(handle)));
+            serve_target = Some(if cli.http {
+                serve_bench::Target::Url(serve_bench::spawn_server(make)?)
+            } else {
+                let (metrics, _) = burn_nanovllm::server::Metrics::new();
+                let handle = burn_nanovllm::server::EngineHandle::spawn(make, usize::MAX, metrics)?;
+                serve_bench::Target::Engine(std::sync::Arc::new(handle))
+            });
             serve_vocab = serve_vocab.min(c.vocab_size as u32);
         }
         if cli.suite.contains(&Suite::Latency) {
@@ -348,6 +359,8 @@ fn main() -> Result<()> {
             vocab: serve_vocab,
             input_len: cli.input_len,
             output_len: cli.output_len,
+            range_ratio: cli.random_range_ratio,
+            max_concurrency: cli.max_concurrency,
             seed: cli.seed,
         };
         tables.push(serve_bench::run(&workload)?.json());

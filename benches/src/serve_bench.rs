@@ -1,7 +1,9 @@
 //! `benches serve`: vLLM's `bench serve`, against a running OpenAI-compatible server (`--url`,
 //! streamed `/v1/completions`) or in process (the server's engine thread, `EngineHandle`, without
-//! HTTP). Random token-id prompts of `input_len`, `output_len` tokens each (`ignore_eos`,
-//! greedy); arrivals all at once (`inf`) or Poisson at each request rate. Per request: TTFT
+//! HTTP). vLLM's random dataset ([`random_requests`]: the throughput suite's requests for the
+//! same arguments): token-id prompts of `input_len`, `output_len` tokens each, or lengths varied
+//! by ± `range_ratio` (`ignore_eos`, greedy); arrivals all at once (`inf`) or Poisson at each
+//! request rate, at most `max_concurrency` in flight (vLLM's `--max-concurrency`). Per request: TTFT
 //! (send → first token), TPOT ((end − first token) / (tokens − 1)), ITL (gaps between streamed
 //! chunks) and end-to-end latency; p50/p90/p99 of each, and throughput.
 
@@ -13,9 +15,11 @@ use burn_nanovllm::SamplingParams;
 use burn_nanovllm::server::{EngineHandle, Event};
 use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
+use tokio::sync::Semaphore;
 use serde_json::{Value, json};
 
 use crate::report::{Report, percentile};
+use crate::workload::random_requests;
 
 /// Where the requests go.
 #[derive(Clone)]
@@ -35,6 +39,29 @@ impl Target {
     }
 }
 
+/// Starts the OpenAI server (`burn-nanovllm serve`'s) over the engine `make` builds, on a
+/// loopback port of its own thread and runtime; returns its base URL. It serves until the
+/// process exits.
+pub fn spawn_server(
+    make: impl FnOnce() -> Result<burn_nanovllm::LLMEngine, burn_nanovllm::LlmError> + Send + 'static,
+) -> Result<String> {
+    let config = burn_nanovllm::server::ServerConfig {
+        model_name: "bench".into(),
+        max_pending: usize::MAX,
+        ..Default::default()
+    };
+    let server = burn_nanovllm::server::Server::new(make, config)?;
+    let runtime = tokio::runtime::Runtime::new()?;
+    let listener = runtime.block_on(tokio::net::TcpListener::bind("127.0.0.1:0"))?;
+    let url = format!("http://{}", listener.local_addr()?);
+    std::thread::spawn(move || {
+        if let Err(e) = runtime.block_on(server.serve(listener, std::future::pending())) {
+            eprintln!("benchmark server: {e}");
+        }
+    });
+    Ok(url)
+}
+
 /// The workload and where to send it.
 pub struct ServeWorkload<'a> {
     pub target: Target,
@@ -45,6 +72,10 @@ pub struct ServeWorkload<'a> {
     pub vocab: u32,
     pub input_len: usize,
     pub output_len: usize,
+    /// Lengths vary uniformly by ± this fraction.
+    pub range_ratio: f64,
+    /// Most requests in flight (`None`: no bound).
+    pub max_concurrency: Option<usize>,
     pub seed: u64,
 }
 
@@ -108,6 +139,9 @@ pub fn run(w: &ServeWorkload) -> Result<Report> {
             "num_prompts",
             "input_len",
             "output_len",
+            "range_ratio",
+            "max_concurrency",
+            "prompt_tokens",
             "duration_s",
             "requests_per_s",
             "output_tok_per_s",
@@ -128,31 +162,39 @@ pub fn run(w: &ServeWorkload) -> Result<Report> {
     runtime.block_on(async {
         let http = reqwest::Client::new();
         let mut rng = StdRng::seed_from_u64(w.seed);
-        let prompt = |rng: &mut StdRng| -> Vec<u32> {
-            (0..w.input_len)
-                .map(|_| rng.random_range(0..w.vocab))
-                .collect()
-        };
-        // Warm-up: one request of the same shape (autotuning, first-use compilation).
-        let warm = prompt(&mut rng);
-        one(&http, &w.target, warm, w.output_len)
+        let requests = random_requests(
+            w.num_prompts,
+            w.input_len,
+            w.output_len,
+            w.range_ratio,
+            w.vocab,
+            w.seed,
+        );
+        let prompt_tokens: usize = requests.iter().map(|r| r.prompt.len()).sum();
+        // Warm-up: one request of the mean shape (autotuning, first-use compilation).
+        let warm = random_requests(1, w.input_len, w.output_len, 0.0, w.vocab, w.seed ^ 1);
+        one(&http, &w.target, warm[0].prompt.clone(), w.output_len)
             .await
             .context("warm-up request")?;
         for &rate in w.rates {
-            let prompts: Vec<Vec<u32>> = (0..w.num_prompts).map(|_| prompt(&mut rng)).collect();
+            let slots = Arc::new(Semaphore::new(
+                w.max_concurrency.unwrap_or(Semaphore::MAX_PERMITS),
+            ));
             let mut at = 0.0f64;
             let start = Instant::now();
-            let mut tasks = Vec::with_capacity(prompts.len());
-            for p in prompts {
+            let mut tasks = Vec::with_capacity(requests.len());
+            for r in &requests {
                 if rate.is_finite() {
                     // Exponential gaps: a Poisson process of `rate` requests per second.
                     at += -(1.0 - rng.random::<f64>()).ln() / rate;
                 }
-                let (http, target, out) = (http.clone(), w.target.clone(), w.output_len);
+                let (http, target, slots) = (http.clone(), w.target.clone(), slots.clone());
+                let (prompt, out) = (r.prompt.clone(), r.max_tokens);
                 let send_at = start + Duration::from_secs_f64(at);
                 tasks.push(tokio::spawn(async move {
                     tokio::time::sleep_until(send_at.into()).await;
-                    one(&http, &target, p, out).await
+                    let _slot = slots.acquire().await?;
+                    one(&http, &target, prompt, out).await
                 }));
             }
             let mut timed = Vec::with_capacity(tasks.len());
@@ -180,10 +222,13 @@ pub fn run(w: &ServeWorkload) -> Result<Report> {
                 json!(w.num_prompts),
                 json!(w.input_len),
                 json!(w.output_len),
+                json!(w.range_ratio),
+                json!(w.max_concurrency),
+                json!(prompt_tokens),
                 json!(secs),
                 json!(w.num_prompts as f64 / secs),
                 json!(tokens as f64 / secs),
-                json!((tokens + w.num_prompts * w.input_len) as f64 / secs),
+                json!((tokens + prompt_tokens) as f64 / secs),
                 json!(ms(ttft.clone(), 0.5)),
                 json!(ms(ttft.clone(), 0.9)),
                 json!(ms(ttft, 0.99)),

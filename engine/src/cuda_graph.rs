@@ -73,6 +73,19 @@ impl Capacity {
             samples: tokens.min(max_num_seqs),
         }
     }
+
+    /// The capacity of a decode-only graph of bucket `tokens`: no prefill chunk, so its
+    /// forward launches no prefill kernel (whose grid of padding tiles costs each layer a
+    /// launch even when no chunk is there).
+    pub(crate) fn decode_only(tokens: usize, max_num_seqs: usize) -> Self {
+        Self {
+            tokens,
+            decodes: tokens.min(max_num_seqs),
+            prefills: 0,
+            tiles: 0,
+            samples: tokens.min(max_num_seqs),
+        }
+    }
 }
 
 /// The host values of a graph's input buffers for one step (see the module doc).
@@ -206,6 +219,10 @@ struct Buffers {
     cu_seqlens: Tensor<1, Int>,
     tiles: Tensor<1, Int>,
     sample_rows: Tensor<1, Int>,
+    /// The values the buffers hold: a step writes only the inputs that changed (a decode step
+    /// leaves the prefill inputs, all padding, and usually the block tables as they were).
+    /// `None` after a failed write.
+    held: Option<StepInputs>,
 }
 
 impl Buffers {
@@ -233,11 +250,13 @@ impl Buffers {
             cu_seqlens: next(),
             tiles: next(),
             sample_rows: next(),
+            held: Some(x.clone()),
         }
     }
 
-    /// Rewrites every input in place.
-    fn write(&mut self, x: &StepInputs) -> Result<()> {
+    /// Rewrites in place every input whose values differ from those held.
+    fn write(&mut self, x: StepInputs) -> Result<()> {
+        let held = self.held.take();
         let dsts = [
             &mut self.ids,
             &mut self.positions,
@@ -250,11 +269,13 @@ impl Buffers {
             &mut self.tiles,
             &mut self.sample_rows,
         ];
-        for (dst, values) in dsts.into_iter().zip(x.parts()) {
-            if !values.is_empty() {
+        let held = held.as_ref().map(StepInputs::parts);
+        for (i, (dst, values)) in dsts.into_iter().zip(x.parts()).enumerate() {
+            if !values.is_empty() && held.is_none_or(|h| h[i] != values) {
                 write_ints(dst, values)?;
             }
         }
+        self.held = Some(x);
         Ok(())
     }
 
@@ -364,6 +385,9 @@ pub struct GraphTimings {
 pub struct GraphCapture {
     /// The bucket's token count.
     pub tokens: usize,
+    /// A decode-only graph (no prefill chunk; buckets of at most `max_num_seqs` tokens have
+    /// one beside the mixed-step graph).
+    pub decode_only: bool,
     /// Wall time of the warm-up runs and the capture.
     pub time: Duration,
     /// Device memory it took (free memory before − after, CUDA), bytes.
@@ -430,9 +454,18 @@ impl StepGraphs {
         let mut sizes = sizes.to_vec();
         sizes.sort_unstable();
         sizes.dedup();
-        // Largest first: its warm-up grows the pools the most.
+        // Largest first: its warm-up grows the pools the most. Buckets that can hold only
+        // decode rows get a decode-only graph beside the mixed one.
+        let mut caps = Vec::new();
         for &tokens in sizes.iter().rev() {
-            let cap = Capacity::new(tokens, max_num_seqs, tile_rows);
+            let mixed = Capacity::new(tokens, max_num_seqs, tile_rows);
+            caps.push(mixed);
+            if mixed.prefills > 0 && tokens <= max_num_seqs {
+                caps.push(Capacity::decode_only(tokens, max_num_seqs));
+            }
+        }
+        for cap in caps {
+            let tokens = cap.tokens;
             let idle = StepInputs::new(&[], cap, width, block_size, tile_rows)?
                 .expect("an empty step fits");
             let buffers = Buffers::new(&idle, device);
@@ -448,6 +481,7 @@ impl StepGraphs {
                     Ok((graph, logits)) => {
                         this.captured.push(GraphCapture {
                             tokens,
+                            decode_only: cap.prefills == 0,
                             time: start.elapsed(),
                             bytes: before.zip(after).map(|(b, a)| b.0.saturating_sub(a.0)),
                         });
@@ -472,7 +506,8 @@ impl StepGraphs {
                 this.failures.join("; ")
             )));
         }
-        this.graphs.sort_by_key(|g| g.cap.tokens);
+        // A step takes the first graph that holds it: decode-only before mixed.
+        this.graphs.sort_by_key(|g| (g.cap.tokens, g.cap.prefills));
         this.captured.reverse();
         Ok(this)
     }
@@ -505,7 +540,9 @@ impl StepGraphs {
 
     /// The token counts served.
     pub(crate) fn sizes(&self) -> Vec<usize> {
-        self.graphs.iter().map(|g| g.cap.tokens).collect()
+        let mut sizes: Vec<usize> = self.graphs.iter().map(|g| g.cap.tokens).collect();
+        sizes.dedup();
+        sizes
     }
 
     /// Runs the step `seqs` (decode rows first) through the smallest graph that holds it;
@@ -525,7 +562,8 @@ impl StepGraphs {
             return Ok(None);
         };
         let built = Instant::now();
-        self.graphs[i].buffers.write(&inputs)?;
+        let n = inputs.num_samples;
+        self.graphs[i].buffers.write(inputs)?;
         let written = Instant::now();
         let g = &self.graphs[i];
         let logits = match &g.replay {
@@ -545,7 +583,6 @@ impl StepGraphs {
         t.build += built - start;
         t.write += written - built;
         t.replay += written.elapsed();
-        let n = inputs.num_samples;
         Ok(Some(if n == g.cap.samples || n == 0 {
             logits
         } else {

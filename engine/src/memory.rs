@@ -42,7 +42,8 @@ pub fn cuda_device_name(_index: usize) -> Option<String> {
 /// Bytes the step graphs of token counts `sizes` keep pinned beyond the KV pool: a graph
 /// keeps the pages its recorded run touched, at most every activation of every layer for each
 /// of its tokens and the f32 and model-dtype logits of its sample rows (`min(size,
-/// max_num_seqs)`); half as much again for the pools' page granularity.
+/// max_num_seqs)`), twice for buckets with a decode-only graph; half as much again for the
+/// pools' page granularity.
 pub fn graph_bytes(
     config: &Qwen2Config,
     dtype_size: usize,
@@ -57,7 +58,11 @@ pub fn graph_bytes(
     let per_sample = config.vocab_size * (4 + dtype_size);
     let bytes: usize = sizes
         .iter()
-        .map(|&t| t * per_token + t.min(max_num_seqs) * per_sample)
+        .map(|&t| {
+            // Buckets of 2..=max_num_seqs tokens have a decode-only graph too.
+            let graphs = if (2..=max_num_seqs).contains(&t) { 2 } else { 1 };
+            graphs * (t * per_token + t.min(max_num_seqs) * per_sample)
+        })
         .sum();
     bytes * 3 / 2
 }

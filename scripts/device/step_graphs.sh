@@ -10,7 +10,8 @@
 #      request 512 + 128 (`latency`);
 #   3. the eager step's host profile (`--enforce-eager --host-profile`, ±90 %, 300 requests), and
 #      eager steps with CUDA's stream-ordered allocator (`alloc`);
-#   4. the shape sweep under compute-sanitizer (`sanitize`).
+#   4. the shape sweep under compute-sanitizer (`sanitize`);
+#   5. the same requests offline and through the server, in process and over HTTP (`serve`).
 # SECTIONS (default "tests bench profile") picks which to run. Logs go to $OUT.
 set -uo pipefail
 cd "$(dirname "$0")/../.."
@@ -59,6 +60,21 @@ fi
 # The build before the step graphs (dist-old/benches-old.xz), same commands.
 if [[ " $SECTIONS " == *" old "* && -x /tmp/bin/benches-old ]]; then
   bench /tmp/bin/benches-old old
+fi
+if [[ " $SECTIONS " == *" serve "* && -x $B ]]; then
+  # The same 1,000 requests offline and through the server (256 in flight): in process (the
+  # server's engine thread) and over HTTP on loopback; varied lengths (±90 %), then equal.
+  for r in 0.9 0; do
+    W="--device cuda --num-prompts 1000 --input-len 528 --output-len 136 --random-range-ratio $r"
+    echo "== offline, range $r"
+    timeout 120 $B throughput $W --out "$OUT/offline-$r.json" 2>&1 | tee "$OUT/offline-$r.log" | quiet | tail -1
+    for how in in-process http; do
+      flag=""; [ $how = http ] && flag="--http"
+      echo "== serve $how, range $r, 256 in flight"
+      timeout 150 $B serve $W --max-concurrency 256 $flag --out "$OUT/serve-$how-$r.json" 2>&1 \
+        | tee "$OUT/serve-$how-$r.log" | quiet | tail -1
+    done
+  done
 fi
 if [[ " $SECTIONS " == *" alloc "* && -x $B ]]; then
   # Eager steps with CUDA's stream-ordered allocator: whether pool growth and release (cuMemFree
