@@ -476,6 +476,18 @@ fn print_step_profile(records: &[burn_nanovllm::StepRecord]) {
             mean(|r| r.post)
         );
     }
+    let mixed: Vec<String> = records
+        .iter()
+        .filter(|r| r.num_tokens > r.num_seqs)
+        .take(40)
+        .map(|r| format!("{}/{}/{}", r.num_tokens, r.num_decodes, r.num_seqs))
+        .collect();
+    if !mixed.is_empty() {
+        eprintln!(
+            "first mixed steps (tokens/decode rows/seqs): {}",
+            mixed.join(" ")
+        );
+    }
     for r in records
         .iter()
         .filter(|r| r.num_tokens > r.num_seqs && !r.graph)

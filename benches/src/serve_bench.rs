@@ -15,8 +15,8 @@ use burn_nanovllm::SamplingParams;
 use burn_nanovllm::server::{EngineHandle, Event};
 use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
-use tokio::sync::Semaphore;
 use serde_json::{Value, json};
+use tokio::sync::Semaphore;
 
 use crate::report::{Report, percentile};
 use crate::workload::random_requests;

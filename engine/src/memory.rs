@@ -60,7 +60,11 @@ pub fn graph_bytes(
         .iter()
         .map(|&t| {
             // Buckets of 2..=max_num_seqs tokens have a decode-only graph too.
-            let graphs = if (2..=max_num_seqs).contains(&t) { 2 } else { 1 };
+            let graphs = if (2..=max_num_seqs).contains(&t) {
+                2
+            } else {
+                1
+            };
             graphs * (t * per_token + t.min(max_num_seqs) * per_sample)
         })
         .sum();

@@ -7,8 +7,9 @@
 //! With step sizes (the engine's CUDA-graph buckets, [`Scheduler::with_step_sizes`]), the token
 //! budget of a step is shaped to them: the step's demand (its decodes, the running prompts'
 //! remaining tokens, the prompts waiting for a free place) is cut to the largest size at or
-//! below it while that leaves a prefill token, so that a step fills a graph exactly — chunked
-//! prefill lets a prompt stop anywhere — and only steps smaller than a size are padded.
+//! below it while that still computes at least half of the step's prefill tokens, so that a
+//! step fills a graph exactly — chunked prefill lets a prompt stop anywhere; other steps run
+//! whole, padded to the next size.
 //!
 //! When the pool has no block for a running sequence, the newest running sequence is preempted
 //! (its blocks freed — full ones stay in the prefix cache — and it goes back to the front of
@@ -316,8 +317,16 @@ impl Scheduler {
             chunks += 1;
         }
         let demand = demand.min(cap);
+        // A cut must still compute at least half the step's prefill tokens: cutting to a size
+        // just above the decodes would trickle the last prompt over many steps (bench.py's
+        // last prompt took 20 steps of 2-6 tokens); a step that no such cut fits runs whole,
+        // padded to the next size.
         match self.step_sizes.iter().rev().find(|&&s| s <= demand) {
-            Some(&size) if size > num_decoding => size,
+            Some(&size)
+                if size > num_decoding && 2 * (size - num_decoding) >= demand - num_decoding =>
+            {
+                size
+            }
             _ => demand,
         }
     }

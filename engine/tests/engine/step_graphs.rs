@@ -160,12 +160,14 @@ fn steps_are_shaped_to_graph_sizes() {
             })
             .collect::<Vec<_>>()
     };
-    // 63 tokens of demand, cut to 48 (the first prompt, 18 of the second); then one decode,
-    // 12 + 3 prompt tokens: 16, cut to 8; then 1 + 5 + 3 = 9, cut to 8 (the third prompt's
-    // last token waits); then three one-token rows: 3, under every size, run as they are.
-    assert_eq!(steps(vec![32, 8, 48], 5), [48, 8, 8, 3, 3]);
-    // Without the size 8, the 16-token step fills no size: it runs whole (padded to 32).
-    assert_eq!(steps(vec![32, 48], 3), [48, 16, 3]);
+    // 63 tokens of demand, cut to 48 (the first prompt, 18 of the second: more than half of
+    // the 63 prefill tokens); then one decode, 12 + 3 prompt tokens: 16; a cut to 8 would
+    // compute 7 of the 15 prefill tokens, under half: the step runs whole (padded to 32);
+    // then three one-token rows: 3, under every size, run as they are.
+    assert_eq!(steps(vec![32, 8, 48], 4), [48, 16, 3, 3]);
+    // With a size of 12, the cut computes 11 of the 15 (the second prompt's, but its last):
+    // 12, then 1 + 1 + 3 = 5 (under every size).
+    assert_eq!(steps(vec![32, 12, 48], 3), [48, 12, 5]);
     // Without sizes, the budget alone: 63 tokens at once.
     assert_eq!(steps(Vec::new(), 2), [63, 3]);
 }
