@@ -130,7 +130,7 @@ fn print(samples: &[(String, Vec<String>, usize)]) {
         *threads.entry(t).or_default() += n;
     }
     let mut threads: Vec<_> = threads.into_iter().collect();
-    threads.sort_by(|a, b| b.1.cmp(&a.1));
+    threads.sort_by_key(|b| std::cmp::Reverse(b.1));
     let total: usize = threads.iter().map(|t| t.1).sum();
     eprintln!("host profile: {total} samples (~1 ms of CPU each)");
     for (thread, n) in threads.iter().take(4) {
@@ -158,13 +158,13 @@ fn print(samples: &[(String, Vec<String>, usize)]) {
             }
         }
         let mut leaf: Vec<_> = leaf.into_iter().collect();
-        leaf.sort_by(|a, b| b.1.cmp(&a.1));
+        leaf.sort_by_key(|b| std::cmp::Reverse(b.1));
         eprintln!("  self, by crate:");
         for (c, k) in leaf.iter().take(12) {
             eprintln!("  {:5.1} %  {c}", 100.0 * *k as f64 / *n as f64);
         }
         let mut inclusive: Vec<_> = inclusive.into_iter().collect();
-        inclusive.sort_by(|a, b| b.1.cmp(&a.1));
+        inclusive.sort_by_key(|b| std::cmp::Reverse(b.1));
         eprintln!("  hottest functions (inclusive):");
         for (f, k) in inclusive.iter().take(40) {
             let short: String = f.chars().take(150).collect();

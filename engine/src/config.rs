@@ -124,19 +124,18 @@ impl EngineConfig {
         if self.num_kv_blocks == Some(0) {
             return Err(c("num_kv_blocks", "must be at least 1".to_string()));
         }
-        if let Some(sizes) = &self.cuda_graph_sizes {
-            if let Some(&bad) = sizes
+        if let Some(sizes) = &self.cuda_graph_sizes
+            && let Some(&bad) = sizes
                 .iter()
                 .find(|&&s| s == 0 || s > self.max_num_batched_tokens)
-            {
-                return Err(c(
-                    "cuda_graph_sizes",
-                    format!(
-                        "{bad} is outside 1..=max_num_batched_tokens ({})",
-                        self.max_num_batched_tokens
-                    ),
-                ));
-            }
+        {
+            return Err(c(
+                "cuda_graph_sizes",
+                format!(
+                    "{bad} is outside 1..=max_num_batched_tokens ({})",
+                    self.max_num_batched_tokens
+                ),
+            ));
         }
         if self.emulate_graphs && self.device != DeviceKind::CubeclCpu {
             return Err(c(

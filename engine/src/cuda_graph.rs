@@ -320,7 +320,7 @@ impl Buffers {
 /// How a graph's step runs.
 enum Replay {
     /// A captured hardware graph; its output buffer, rewritten by every replay.
-    Captured(BackendGraph<Dispatch>, Tensor<2>),
+    Captured(Box<(BackendGraph<Dispatch>, Tensor<2>)>),
     /// The padded forward run eagerly (emulation off CUDA).
     Eager,
 }
@@ -485,7 +485,7 @@ impl StepGraphs {
                             time: start.elapsed(),
                             bytes: before.zip(after).map(|(b, a)| b.0.saturating_sub(a.0)),
                         });
-                        Replay::Captured(graph, logits)
+                        Replay::Captured(Box::new((graph, logits)))
                     }
                     Err(e) => {
                         this.failures.push(format!("{tokens} tokens: {e}"));
@@ -567,7 +567,8 @@ impl StepGraphs {
         let written = Instant::now();
         let g = &self.graphs[i];
         let logits = match &g.replay {
-            Replay::Captured(graph, logits) => {
+            Replay::Captured(captured) => {
+                let (graph, logits) = &**captured;
                 // SAFETY: the graph reads the buffers just written and the metadata views of
                 // them (kept alive with it), the model's weights and the KV cache (kept alive
                 // by `self`), and writes its pinned intermediates and output; everything runs

@@ -57,6 +57,17 @@ pub struct TiledConfig {
     pub has_add: bool,
 }
 
+/// Partial results a cube reduction meets in shared memory: one per plane (a last, partial
+/// plane included: `ceil(CUBE_DIM / PLANE_DIM)`) with plane operations, else one per unit.
+#[cube]
+pub fn reduction_parts(#[comptime] use_plane: bool) -> u32 {
+    if comptime!(use_plane) {
+        (CUBE_DIM_X - 1) / PLANE_DIM + 1
+    } else {
+        CUBE_DIM_X
+    }
+}
+
 /// Sum of `value` over the whole cube, returned to every unit.
 ///
 /// `scratch` needs `CUBE_DIM` slots. With `use_plane`, plane sums meet in shared memory (a
@@ -64,11 +75,7 @@ pub struct TiledConfig {
 /// unit's value goes through shared memory.
 #[cube]
 pub fn cube_sum(value: f32, scratch: &mut Shared<[f32]>, #[comptime] use_plane: bool) -> f32 {
-    let parts = if comptime!(use_plane) {
-        (CUBE_DIM_X + PLANE_DIM - 1) / PLANE_DIM
-    } else {
-        CUBE_DIM_X
-    };
+    let parts = reduction_parts(use_plane);
     if comptime!(use_plane) {
         let s = plane_sum(value);
         if UNIT_POS_PLANE == 0 {
@@ -267,11 +274,7 @@ pub fn linear_skinny<F: Float, NV: Size>(
     let tid = UNIT_POS_X as usize;
     let tile = comptime!(cfg.m_tile * cfg.rows);
     let mut scratch = Shared::<[f32]>::new_slice(comptime!(cfg.m_tile * cfg.rows * cfg.cube_dim));
-    let parts = if comptime!(cfg.use_plane) {
-        (CUBE_DIM_X + PLANE_DIM - 1) / PLANE_DIM
-    } else {
-        CUBE_DIM_X
-    };
+    let parts = reduction_parts(cfg.use_plane);
     let slot = if comptime!(cfg.use_plane) {
         PLANE_POS as usize
     } else {

@@ -395,7 +395,7 @@ pub(super) fn check_rope_store_kv(
         .collect();
     let skip = rng.random_range(0..t);
     let run = |device: &Device, dtype: DType, kernel: bool| {
-        let mut cache = cache(&kv, &l, &h, dtype, device);
+        let mut cache = cache(&kv, &l, h, dtype, device);
         let mut meta = l.meta(device);
         if !kernel {
             meta.slot_mapping[skip] = -1;

@@ -45,7 +45,7 @@ impl PvSplit {
     /// The split of a `units`-wide cube over rows of `dv` vectors.
     pub fn new(dv: usize, units: usize) -> Self {
         let mut lanes = dv.min(units).max(1);
-        while dv % lanes != 0 {
+        while !dv.is_multiple_of(lanes) {
             lanes -= 1;
         }
         let kgroups = units / lanes;
