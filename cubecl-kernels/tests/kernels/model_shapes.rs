@@ -13,6 +13,8 @@ use super::attention::{Heads, check_attention, check_rope_store_kv};
 use super::common::*;
 use super::linear::{Case, check};
 
+/// One config of the sweep (fields the kernels need; the file has more).
+#[derive(serde::Deserialize)]
 struct Shape {
     qwen3: bool,
     hidden: usize,
@@ -23,28 +25,16 @@ struct Shape {
     vocab: usize,
 }
 
+#[derive(serde::Deserialize)]
+struct Sweep {
+    shapes: Vec<Shape>,
+}
+
 fn shapes() -> Vec<Shape> {
     let path =
         std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../fixtures/shape-sweep.json");
-    let file: serde_json::Value =
-        serde_json::from_str(&std::fs::read_to_string(path).unwrap()).unwrap();
-    file["shapes"]
-        .as_array()
-        .unwrap()
-        .iter()
-        .map(|s| {
-            let n = |k: &str| s[k].as_u64().unwrap_or_else(|| panic!("{k}")) as usize;
-            Shape {
-                qwen3: s["qwen3"].as_bool().unwrap(),
-                hidden: n("hidden"),
-                heads: n("heads"),
-                kv_heads: n("kv_heads"),
-                head_dim: n("head_dim"),
-                intermediate: n("intermediate"),
-                vocab: n("vocab"),
-            }
-        })
-        .collect()
+    let text = std::fs::read_to_string(path).unwrap();
+    serde_json::from_str::<Sweep>(&text).unwrap().shapes
 }
 
 #[test]

@@ -17,7 +17,7 @@ use rand::{Rng, SeedableRng, rngs::StdRng};
 use super::common::{greedy, run_all, test_device};
 
 /// One config of the sweep (`fixtures/shape-sweep.json`).
-#[derive(Clone, Copy, Debug)]
+#[derive(Clone, Copy, Debug, serde::Deserialize)]
 struct Shape {
     qwen3: bool,
     hidden: usize,
@@ -29,28 +29,15 @@ struct Shape {
     tied: bool,
 }
 
+#[derive(serde::Deserialize)]
+struct Sweep {
+    shapes: Vec<Shape>,
+}
+
 /// The sweep's shapes, shared with the kernels' per-op test.
 fn shapes() -> Vec<Shape> {
-    let path = super::common::fixture("shape-sweep.json");
-    let file: serde_json::Value =
-        serde_json::from_str(&std::fs::read_to_string(&path).unwrap()).unwrap();
-    let shapes = file["shapes"].as_array().unwrap();
-    shapes
-        .iter()
-        .map(|s| {
-            let n = |k: &str| s[k].as_u64().unwrap_or_else(|| panic!("{k}")) as usize;
-            Shape {
-                qwen3: s["qwen3"].as_bool().unwrap(),
-                hidden: n("hidden"),
-                heads: n("heads"),
-                kv_heads: n("kv_heads"),
-                head_dim: n("head_dim"),
-                intermediate: n("intermediate"),
-                vocab: n("vocab"),
-                tied: s["tied"].as_bool().unwrap(),
-            }
-        })
-        .collect()
+    let text = std::fs::read_to_string(super::common::fixture("shape-sweep.json")).unwrap();
+    serde_json::from_str::<Sweep>(&text).unwrap().shapes
 }
 
 impl Shape {
