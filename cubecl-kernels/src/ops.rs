@@ -10,6 +10,7 @@ use burn::backend::{
 };
 use burn::tensor::Shape;
 use burn_cubecl::CubeBackend;
+use burn_cubecl::kernel::into_contiguous;
 
 use crate::attention::{AttentionLaunch, QkvLayout, decode, prefill, store_kv};
 use crate::host_write;
@@ -287,8 +288,9 @@ impl KernelOps for CubeBackend {
         plan: AttentionPlan,
     ) -> FloatTensor<Self> {
         // The kernels index the caches contiguously; a pitched one (a 4-D CUDA tensor whose
-        // head rows are not a power of two of bytes) is read through a contiguous copy.
-        let (k_cache, v_cache) = (contiguous(k_cache), contiguous(v_cache));
+        // head rows are not a power of two of bytes) is read through a contiguous copy
+        // (`into_contiguous` returns a contiguous tensor itself).
+        let (k_cache, v_cache) = (into_contiguous(k_cache), into_contiguous(v_cache));
         let launch = AttentionLaunch::new(q, &k_cache);
         if let Some(bound) = plan.decode_context_bound {
             decode::paged_decode(
@@ -327,14 +329,5 @@ impl KernelOps for CubeBackend {
         params_u: IntTensor<Self>,
     ) -> IntTensor<Self> {
         sampling::launch::sample(logits, params_f, params_u)
-    }
-}
-
-/// `t` itself when contiguous, else a contiguous copy.
-fn contiguous(t: FloatTensor<CubeBackend>) -> FloatTensor<CubeBackend> {
-    if t.is_contiguous() {
-        t
-    } else {
-        burn_cubecl::kernel::into_contiguous(t)
     }
 }

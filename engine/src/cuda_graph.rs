@@ -74,6 +74,12 @@ impl Capacity {
         }
     }
 
+    /// True if bucket `tokens` has a decode-only graph beside its mixed one: it holds a
+    /// prefill chunk (two tokens or more) and no more tokens than decode rows.
+    pub(crate) fn has_decode_only(tokens: usize, max_num_seqs: usize) -> bool {
+        (2..=max_num_seqs).contains(&tokens)
+    }
+
     /// The capacity of a decode-only graph of bucket `tokens`: no prefill chunk, so its
     /// forward launches no prefill kernel (whose grid of padding tiles costs each layer a
     /// launch even when no chunk is there).
@@ -460,7 +466,7 @@ impl StepGraphs {
         for &tokens in sizes.iter().rev() {
             let mixed = Capacity::new(tokens, max_num_seqs, tile_rows);
             caps.push(mixed);
-            if mixed.prefills > 0 && tokens <= max_num_seqs {
+            if Capacity::has_decode_only(tokens, max_num_seqs) {
                 caps.push(Capacity::decode_only(tokens, max_num_seqs));
             }
         }

@@ -140,6 +140,7 @@ impl LLMEngine {
             &config.graph_sizes(),
             config.emulate_graphs,
         )?;
+        let graph_sizes = runner.graph_sizes();
         let scheduler = Scheduler::new(
             SchedulerLimits {
                 max_num_seqs: config.max_num_seqs,
@@ -152,20 +153,20 @@ impl LLMEngine {
             ),
         )
         // Steps shaped to the graphs that were captured.
-        .with_step_sizes(runner.graph_sizes(), {
-            let graphs = !runner.graph_sizes().is_empty();
-            if graphs {
-                crate::cuda_graph::MAX_PREFILL_CHUNKS
-            } else {
+        .with_step_sizes(
+            graph_sizes.clone(),
+            if graph_sizes.is_empty() {
                 usize::MAX
-            }
-        });
+            } else {
+                crate::cuda_graph::MAX_PREFILL_CHUNKS
+            },
+        );
         let limits = EngineLimits {
             max_model_len,
             num_kv_blocks,
             block_size: config.block_size,
             dtype,
-            graph_sizes: runner.graph_sizes(),
+            graph_sizes,
             graph_failures: runner.graph_failures(),
             graph_captures: runner.graph_captures(),
         };

@@ -4,6 +4,8 @@
 use burn::tensor::DType;
 use model_qwen2::{KvCache, Qwen2Config};
 
+use crate::cuda_graph::Capacity;
+
 /// `(free, total)` bytes of CUDA device `index`, from the driver (`cuMemGetInfo`).
 #[cfg(feature = "cuda")]
 pub fn cuda_memory(index: usize) -> Option<(usize, usize)> {
@@ -59,8 +61,7 @@ pub fn graph_bytes(
     let bytes: usize = sizes
         .iter()
         .map(|&t| {
-            // Buckets of 2..=max_num_seqs tokens have a decode-only graph too.
-            let graphs = if (2..=max_num_seqs).contains(&t) {
+            let graphs = if Capacity::has_decode_only(t, max_num_seqs) {
                 2
             } else {
                 1

@@ -193,12 +193,9 @@ pub(crate) fn paged_prefill(
     if num_tiles == 0 {
         return;
     }
-    // The kernels read the tile list flat, `[num_tiles, 2]` row-major without a pitch.
-    let tiles = if tiles.is_contiguous() {
-        tiles
-    } else {
-        burn_cubecl::kernel::into_contiguous(tiles)
-    };
+    // The kernels read the tile list flat, `[num_tiles, 2]` row-major without a pitch (a
+    // contiguous list is passed through as it is).
+    let tiles = burn_cubecl::kernel::into_contiguous(tiles);
     let kv_vec = crate::vector_size(dtype, &[d]);
     // The tensor-core kernels read q in the caches' vector width.
     let q = if crate::vector_size(dtype, &[d, q.meta.strides()[0], q.meta.strides()[1]]) == kv_vec {
