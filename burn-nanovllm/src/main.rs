@@ -417,7 +417,8 @@ fn serve(args: ServeArgs) -> Result<()> {
         let listener = tokio::net::TcpListener::bind(&addr)
             .await
             .with_context(|| format!("binding {addr}"))?;
-        eprintln!("serving `{name}` on http://{addr} (/v1/completions, /v1/chat/completions)");
+        let bound = listener.local_addr()?;
+        eprintln!("serving `{name}` on http://{bound} (/v1/completions, /v1/chat/completions)");
         server.serve(listener, shutdown_signal()).await?;
         eprintln!("server stopped");
         Ok(())

@@ -3,6 +3,7 @@
 //! drops a request. Everything that generates text in this workspace goes through `step`.
 
 use std::collections::HashMap;
+use std::panic::AssertUnwindSafe;
 use std::path::Path;
 use std::sync::Arc;
 use std::time::Instant;
@@ -17,11 +18,11 @@ use crate::config::EngineConfig;
 use crate::detokenizer::Detokenizer;
 use crate::error::{EngineError, Result};
 use crate::memory;
-use crate::model_runner::{ModelRunner, StepSeq};
+use crate::model_runner::{FaultHook, ModelRunner, StepSeq};
 use crate::output::{EngineStats, RequestMetrics, RequestOutput, StepRecord};
 use crate::sampler::{self, SamplerRow};
 use crate::sampling_params::SamplingParams;
-use crate::scheduler::{Scheduler, SchedulerLimits};
+use crate::scheduler::{Scheduler, SchedulerLimits, SchedulerOutput};
 use crate::sequence::{FinishReason, RequestId, Sequence};
 
 /// The engine's resolved limits.
@@ -60,6 +61,19 @@ pub struct LLMEngine {
     rng: StdRng,
     stats: EngineStats,
     records: Vec<StepRecord>,
+    failure: Option<String>,
+}
+
+/// What the model part of a step produced.
+struct ModelRun {
+    /// The requests whose rows sampled, in row order.
+    sampled_ids: Vec<RequestId>,
+    /// Their draws.
+    sampled: Vec<sampler::Sampled>,
+    /// The forward replayed a step graph.
+    graph: bool,
+    forwarded_at: Instant,
+    sample_start: Instant,
 }
 
 impl LLMEngine {
@@ -186,6 +200,7 @@ impl LLMEngine {
             next_id: 0,
             stats: EngineStats::default(),
             records: Vec::new(),
+            failure: None,
         })
     }
 
@@ -235,6 +250,11 @@ impl LLMEngine {
     /// stop strings.
     pub fn set_stream_text(&mut self, on: bool) {
         self.stream_text = on;
+    }
+
+    /// Runs `hook` before every forward (see [`FaultHook`]): tests inject device failures here.
+    pub fn set_fault_hook(&mut self, hook: FaultHook) {
+        self.runner.set_fault_hook(hook);
     }
 
     /// Counters since the engine started.
@@ -289,6 +309,7 @@ impl LLMEngine {
     /// prompt, an id outside the vocabulary, a prompt of `max_model_len` tokens or more, a
     /// prompt larger than the whole KV pool, or invalid parameters.
     pub fn add_request(&mut self, prompt: Vec<u32>, params: SamplingParams) -> Result<RequestId> {
+        self.check_alive()?;
         params.validate()?;
         if self.tokenizer.is_none() && !params.stop.is_empty() {
             return Err(EngineError::param(
@@ -343,6 +364,14 @@ impl LLMEngine {
             .map_err(|e| EngineError::Device(format!("prompt logits: {e:?}")))
     }
 
+    /// [`EngineError::DeviceFailed`] once a step has failed.
+    fn check_alive(&self) -> Result<()> {
+        match &self.failure {
+            Some(cause) => Err(EngineError::DeviceFailed(cause.clone())),
+            None => Ok(()),
+        }
+    }
+
     /// An empty prompt, an id outside the vocabulary or a prompt of `max_model_len` tokens or
     /// more, as an error naming it.
     fn check_prompt(&self, prompt: &[u32]) -> Result<()> {
@@ -377,9 +406,11 @@ impl LLMEngine {
 
     /// Runs one step: schedules, runs the model, samples, applies stop conditions. Returns an
     /// output for every request that got a token, finished, failed or was aborted since the
-    /// last step. An error is a device or model failure: no request is lost by it, but the
-    /// step did not run.
+    /// last step. An error is [`EngineError::DeviceFailed`]: the forward or the sampling failed
+    /// (or panicked), every running and waiting request has ended with it, and the engine takes
+    /// no more work.
     pub fn step(&mut self) -> Result<Vec<RequestOutput>> {
+        self.check_alive()?;
         let start = Instant::now();
         let mut outputs = std::mem::take(&mut self.pending);
         let sched = self.scheduler.schedule();
@@ -392,6 +423,66 @@ impl LLMEngine {
             return Ok(outputs);
         }
         let scheduled_at = Instant::now();
+        // A failure here leaves the device (and the KV cache) in an unknown state: it ends
+        // every request and the engine. A panicking backend counts as such a failure.
+        let run = std::panic::catch_unwind(AssertUnwindSafe(|| self.run_model(&sched)));
+        let ModelRun {
+            sampled_ids,
+            sampled,
+            graph,
+            forwarded_at,
+            sample_start,
+        } = match run {
+            Ok(Ok(run)) => run,
+            Ok(Err(e)) => return Err(self.fail(e.to_string())),
+            Err(panic) => return Err(self.fail(panic_message(panic.as_ref()))),
+        };
+        let ran_at = Instant::now();
+        self.stats.sample_time += ran_at - sample_start;
+        let mut prefill = false;
+        for s in &sched.seqs {
+            if s.num_new_tokens > 1 || !s.samples || self.is_prompt_token(s.id) {
+                prefill = true;
+                self.stats.prefill_tokens += s.num_new_tokens as u64;
+            } else {
+                self.stats.decode_tokens += 1;
+            }
+            self.scheduler.on_computed(s);
+        }
+        for (id, sample) in sampled_ids.into_iter().zip(sampled) {
+            outputs.extend(self.append_token(id, sample.token_id, sample.logprobs)?);
+        }
+        self.stats.steps += 1;
+        self.stats.generated_tokens += outputs
+            .iter()
+            .map(|o| o.new_token_ids.len() as u64)
+            .sum::<u64>();
+        let end = Instant::now();
+        self.stats.host_time += (scheduled_at - start) + (end - ran_at);
+        self.stats.step_time += end - start;
+        if prefill {
+            self.stats.prefill_steps += 1;
+            self.stats.prefill_time += end - start;
+        } else {
+            self.stats.decode_time += end - start;
+        }
+        if self.config.record_steps {
+            self.records.push(StepRecord {
+                num_seqs: sched.seqs.len(),
+                num_decodes: sched.num_decodes,
+                num_tokens: sched.num_tokens(),
+                graph,
+                schedule: scheduled_at - start,
+                forward: forwarded_at - scheduled_at,
+                sample: ran_at - sample_start,
+                post: end - ran_at,
+            });
+        }
+        Ok(outputs)
+    }
+
+    /// The step's forward pass and sampling.
+    fn run_model(&mut self, sched: &SchedulerOutput) -> Result<ModelRun> {
         let seqs: Vec<StepSeq<'_>> = sched
             .seqs
             .iter()
@@ -439,48 +530,31 @@ impl LLMEngine {
             }
             None => Vec::new(),
         };
-        let ran_at = Instant::now();
-        self.stats.sample_time += ran_at - sample_start;
-        let mut prefill = false;
-        for s in &sched.seqs {
-            if s.num_new_tokens > 1 || !s.samples || self.is_prompt_token(s.id) {
-                prefill = true;
-                self.stats.prefill_tokens += s.num_new_tokens as u64;
-            } else {
-                self.stats.decode_tokens += 1;
-            }
-            self.scheduler.on_computed(s);
+        Ok(ModelRun {
+            sampled_ids,
+            sampled,
+            graph,
+            forwarded_at,
+            sample_start,
+        })
+    }
+
+    /// Ends every request and the engine after a failed step; returns the error to report.
+    fn fail(&mut self, cause: String) -> EngineError {
+        let reason = FinishReason::Error(format!("the device failed: {cause}"));
+        for id in self.scheduler.unfinished() {
+            self.scheduler.finish(id, reason.clone());
+            self.scheduler.take_finished(id);
         }
-        for (id, sample) in sampled_ids.into_iter().zip(sampled) {
-            outputs.extend(self.append_token(id, sample.token_id, sample.logprobs)?);
-        }
-        self.stats.steps += 1;
-        self.stats.generated_tokens += outputs
-            .iter()
-            .map(|o| o.new_token_ids.len() as u64)
-            .sum::<u64>();
-        let end = Instant::now();
-        self.stats.host_time += (scheduled_at - start) + (end - ran_at);
-        self.stats.step_time += end - start;
-        if prefill {
-            self.stats.prefill_steps += 1;
-            self.stats.prefill_time += end - start;
-        } else {
-            self.stats.decode_time += end - start;
-        }
-        if self.config.record_steps {
-            self.records.push(StepRecord {
-                num_seqs: sched.seqs.len(),
-                num_decodes: sched.num_decodes,
-                num_tokens: sched.num_tokens(),
-                graph,
-                schedule: scheduled_at - start,
-                forward: forwarded_at - scheduled_at,
-                sample: ran_at - sample_start,
-                post: end - ran_at,
-            });
-        }
-        Ok(outputs)
+        self.pending.clear();
+        self.detokenizers.clear();
+        self.failure = Some(cause.clone());
+        EngineError::DeviceFailed(cause)
+    }
+
+    /// The cause of the device failure that stopped the engine, if one did.
+    pub fn failure(&self) -> Option<&str> {
+        self.failure.as_deref()
     }
 
     /// True if `id`'s next computed token is still part of its prompt.
@@ -597,6 +671,16 @@ impl LLMEngine {
             }),
         })
     }
+}
+
+/// The text a panic carried.
+fn panic_message(panic: &(dyn std::any::Any + Send)) -> String {
+    let text = panic
+        .downcast_ref::<String>()
+        .map(String::as_str)
+        .or_else(|| panic.downcast_ref::<&str>().copied())
+        .unwrap_or("(no message)");
+    format!("a step panicked: {text}")
 }
 
 /// `generation_config.json` as JSON (`Null` when absent).

@@ -73,6 +73,11 @@ pub enum EngineError {
     /// The device could not be used as asked.
     #[error("device: {0}")]
     Device(String),
+    /// A step failed on the device (a kernel fault, a lost context, a failed read-back) or
+    /// panicked: every request was ended by it, and the engine takes no more work (every later
+    /// `step` and `add_request` answers this error again). Restart the process.
+    #[error("the device failed, the engine is stopped: {0}")]
+    DeviceFailed(String),
 }
 
 impl EngineError {

@@ -37,7 +37,7 @@ pub use cubecl_kernels::DeviceKind;
 pub use cuda_graph::{GraphCapture, GraphTimings, default_graph_sizes};
 pub use engine::{EngineLimits, LLMEngine};
 pub use error::{EngineError, Result};
-pub use model_runner::{ModelRunner, RunnerStats};
+pub use model_runner::{FaultHook, ModelRunner, RunnerStats};
 pub use output::{EngineStats, RequestMetrics, RequestOutput, StepRecord};
 pub use sampler::TokenLogprobs;
 pub use sampling_params::SamplingParams;

@@ -11,7 +11,7 @@ use cubecl_kernels::{AttentionMetadata, DeviceKind};
 use model_qwen2::{KvCache, LogitsRows, Qwen2Model};
 
 use crate::cuda_graph::{GraphCapture, GraphTimings, StepGraphs};
-use crate::error::Result;
+use crate::error::{EngineError, Result};
 
 /// One sequence's part of a step, as the runner needs it.
 #[derive(Clone, Copy, Debug)]
@@ -41,6 +41,11 @@ pub struct RunnerStats {
     pub graph_timings: GraphTimings,
 }
 
+/// Called before every forward with its index (0, 1, …); an `Err` fails that forward the way a
+/// device error does, and a panic propagates as a panicking backend's would. Tests inject device
+/// failures through it ([`ModelRunner::set_fault_hook`]).
+pub type FaultHook = Box<dyn FnMut(u64) -> std::result::Result<(), String> + Send>;
+
 /// The model, its KV cache and (on CUDA) its decode graphs.
 pub struct ModelRunner {
     model: Arc<Qwen2Model>,
@@ -49,6 +54,8 @@ pub struct ModelRunner {
     block_size: usize,
     graphs: Option<StepGraphs>,
     stats: RunnerStats,
+    forwards: u64,
+    fault_hook: Option<FaultHook>,
 }
 
 impl ModelRunner {
@@ -93,6 +100,8 @@ impl ModelRunner {
             block_size,
             graphs,
             stats: RunnerStats::default(),
+            forwards: 0,
+            fault_hook: None,
         })
     }
 
@@ -130,6 +139,11 @@ impl ModelRunner {
             .unwrap_or_default()
     }
 
+    /// Installs a hook that runs before every forward (device-failure injection in tests).
+    pub fn set_fault_hook(&mut self, hook: FaultHook) {
+        self.fault_hook = Some(hook);
+    }
+
     /// Counters.
     pub fn stats(&self) -> RunnerStats {
         RunnerStats {
@@ -147,6 +161,11 @@ impl ModelRunner {
     /// order, or `None` when none samples.
     pub fn forward(&mut self, seqs: &[StepSeq<'_>]) -> Result<Option<Tensor<2>>> {
         let start = Instant::now();
+        let index = self.forwards;
+        self.forwards += 1;
+        if let Some(hook) = self.fault_hook.as_mut() {
+            hook(index).map_err(EngineError::Device)?;
+        }
         if let Some(graphs) = self.graphs.as_mut()
             && let Some(logits) = graphs.run(seqs)?
         {

@@ -156,6 +156,11 @@ impl Scheduler {
         !self.waiting.is_empty() || !self.running.is_empty()
     }
 
+    /// Every waiting and running sequence, running first.
+    pub fn unfinished(&self) -> Vec<RequestId> {
+        self.running.iter().chain(&self.waiting).copied().collect()
+    }
+
     /// Preemptions so far.
     pub fn num_preemptions(&self) -> u64 {
         self.num_preemptions

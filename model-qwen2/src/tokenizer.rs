@@ -34,6 +34,7 @@ pub struct Qwen2Tokenizer {
     chat_template: Option<String>,
     bos_token: Option<String>,
     eos_token: Option<String>,
+    max_token_bytes: usize,
 }
 
 impl Qwen2Tokenizer {
@@ -47,11 +48,21 @@ impl Qwen2Tokenizer {
         }
         let inner = tokenizers::Tokenizer::from_file(&json)
             .map_err(|e| ModelError::Tokenizer(format!("{}: {e}", json.display())))?;
+        // A vocabulary entry's UTF-8 length is at least the bytes of text it stands for
+        // (byte-level BPE writes one byte as a 1–2 byte character, `▁` stands for a space,
+        // `<0x41>` for one byte, added tokens for themselves).
+        let max_token_bytes = inner
+            .get_vocab(true)
+            .keys()
+            .map(String::len)
+            .max()
+            .unwrap_or(1);
         let mut tok = Self {
             inner,
             chat_template: None,
             bos_token: None,
             eos_token: None,
+            max_token_bytes,
         };
         let config_path = dir.join("tokenizer_config.json");
         if config_path.exists() {
@@ -94,6 +105,12 @@ impl Qwen2Tokenizer {
         self.inner
             .decode(ids, skip_special_tokens)
             .map_err(|e| ModelError::Tokenizer(e.to_string()))
+    }
+
+    /// The most text bytes one token can stand for (its longest vocabulary entry): a text of
+    /// `n` bytes has at least `n / max_token_bytes` tokens before normalization.
+    pub fn max_token_bytes(&self) -> usize {
+        self.max_token_bytes
     }
 
     /// Id of a token string such as `<|im_end|>`.

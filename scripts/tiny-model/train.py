@@ -184,11 +184,23 @@ def train(args, tok: Tokenizer) -> dict:
     }
 
 
+# ChatML (Qwen2's turn format, without its default system prompt): the model was never trained
+# on conversations, but `chat` and `/v1/chat/completions` work with it out of the box; a reply
+# ends at <|im_end|> (an end-of-sequence id) or at max_tokens.
+CHAT_TEMPLATE = (
+    "{% for message in messages %}"
+    "{{ '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>\\n' }}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
+)
+
+
 def write_side_files(args, tok: Tokenizer):
     shutil.copy(os.path.join(args.work, "tokenizer.json"), os.path.join(args.out, "tokenizer.json"))
     eot = tok.token_to_id("<|endoftext|>")
+    im_end = tok.token_to_id("<|im_end|>")
     with open(os.path.join(args.out, "generation_config.json"), "w") as f:
-        json.dump({"bos_token_id": eot, "eos_token_id": eot, **GENERATION}, f, indent=2)
+        json.dump({"bos_token_id": eot, "eos_token_id": [eot, im_end], **GENERATION}, f, indent=2)
     added = {
         str(tok.token_to_id(t)): {
             "content": t, "lstrip": False, "normalized": False, "rstrip": False,
@@ -205,6 +217,7 @@ def write_side_files(args, tok: Tokenizer):
             "model_max_length": MODEL["max_position_embeddings"],
             "clean_up_tokenization_spaces": False,
             "added_tokens_decoder": added,
+            "chat_template": CHAT_TEMPLATE,
         }, f, indent=2)
 
 

@@ -3,6 +3,10 @@
 //! unfinished and blocks on its command channel when idle. A request whose client went away
 //! (its output channel closed) is aborted, which frees its blocks. The number of requests
 //! accepted and not yet finished is bounded: past it, `submit` answers 503.
+//!
+//! A failed step (the device failed) ends the thread: every tracked request gets the error,
+//! the failure is reported once (stderr and the `engine_failures` metric) and published to
+//! [`EngineHandle::failed`], and later submissions answer 503 with its cause.
 
 use std::collections::HashMap;
 use std::sync::Arc;
@@ -13,7 +17,7 @@ use std::time::Instant;
 use axum::http::StatusCode;
 use engine::{EngineError, LLMEngine, RequestId, RequestOutput, SamplingParams};
 use model_qwen2::Qwen2Tokenizer;
-use tokio::sync::{mpsc as tmpsc, oneshot};
+use tokio::sync::{mpsc as tmpsc, oneshot, watch};
 
 use super::error::ApiError;
 use super::metrics::Metrics;
@@ -50,6 +54,7 @@ pub struct ModelInfo {
 pub struct EngineHandle {
     commands: mpsc::Sender<Command>,
     alive: Arc<AtomicBool>,
+    failure: watch::Receiver<Option<String>>,
     in_flight: Arc<AtomicUsize>,
     max_pending: usize,
     metrics: Metrics,
@@ -70,11 +75,15 @@ impl EngineHandle {
         let alive = Arc::new(AtomicBool::new(true));
         let in_flight = Arc::new(AtomicUsize::new(0));
         let (thread_in_flight, thread_metrics) = (in_flight.clone(), metrics.clone());
-        let guard = AliveGuard(alive.clone());
+        let (failure_tx, failure) = watch::channel(None);
+        let guard = AliveGuard {
+            alive: alive.clone(),
+            failure: failure_tx,
+        };
         std::thread::Builder::new()
             .name("engine".into())
             .spawn(move || {
-                let _alive = guard;
+                let guard = guard;
                 let mut engine = match make() {
                     Ok(e) => e,
                     Err(e) => {
@@ -96,7 +105,7 @@ impl EngineHandle {
                         in_flight: thread_in_flight,
                         metrics: thread_metrics,
                     }
-                    .run();
+                    .run(&guard.failure);
                 }
             })
             .map_err(|e| LlmError::Invalid(format!("cannot start the engine thread: {e}")))?;
@@ -106,6 +115,7 @@ impl EngineHandle {
         Ok(Self {
             commands,
             alive,
+            failure,
             in_flight,
             max_pending,
             metrics,
@@ -113,9 +123,32 @@ impl EngineHandle {
         })
     }
 
-    /// Whether the engine thread is running.
+    /// Whether the engine thread is running and has not failed.
     pub fn is_alive(&self) -> bool {
-        self.alive.load(Ordering::Acquire)
+        self.alive.load(Ordering::Acquire) && self.failure.borrow().is_none()
+    }
+
+    /// Resolves with the cause once the engine has failed (never, while it works).
+    pub async fn failed(&self) -> String {
+        let mut rx = self.failure.clone();
+        let cause = rx
+            .wait_for(Option::is_some)
+            .await
+            .map(|cause| cause.clone().unwrap_or_default());
+        match cause {
+            Ok(cause) => cause,
+            // The thread ended without a failure (the server is being dropped).
+            Err(_) => std::future::pending().await,
+        }
+    }
+
+    /// 503: the engine thread is gone, with the failure's cause when one ended it.
+    fn gone(&self) -> ApiError {
+        let message = match self.failure.borrow().as_deref() {
+            Some(cause) => format!("the engine is not running: {cause}"),
+            None => "the engine is not running".to_string(),
+        };
+        ApiError::new(StatusCode::SERVICE_UNAVAILABLE, message)
     }
 
     /// Queues a request; its outputs come on the returned channel (drop it to abort). Fails
@@ -142,7 +175,6 @@ impl EngineHandle {
         }
         let (events, rx) = tmpsc::unbounded_channel();
         let (accepted, accepted_rx) = oneshot::channel();
-        let gone = || ApiError::new(StatusCode::SERVICE_UNAVAILABLE, "the engine is not running");
         let sent = self.commands.send(Command::Add {
             prompt,
             params,
@@ -151,12 +183,12 @@ impl EngineHandle {
         });
         if sent.is_err() {
             self.in_flight.fetch_sub(1, Ordering::AcqRel);
-            return Err(gone());
+            return Err(self.gone());
         }
         match accepted_rx.await {
             Ok(Ok(id)) => Ok((id, rx)),
             Ok(Err(e)) => Err(e.into()),
-            Err(_) => Err(gone()),
+            Err(_) => Err(self.gone()),
         }
     }
 
@@ -166,12 +198,22 @@ impl EngineHandle {
     }
 }
 
-/// Clears the alive flag when the thread ends, however it ends.
-struct AliveGuard(Arc<AtomicBool>);
+/// Clears the alive flag when the thread ends, however it ends; a panic that ends it is
+/// published as the engine's failure.
+struct AliveGuard {
+    alive: Arc<AtomicBool>,
+    failure: watch::Sender<Option<String>>,
+}
 
 impl Drop for AliveGuard {
     fn drop(&mut self) {
-        self.0.store(false, Ordering::Release);
+        self.alive.store(false, Ordering::Release);
+        if std::thread::panicking() {
+            self.failure.send_if_modified(|f| {
+                f.get_or_insert_with(|| "the engine thread panicked".into());
+                true
+            });
+        }
     }
 }
 
@@ -190,7 +232,8 @@ struct EngineThread {
 }
 
 impl EngineThread {
-    fn run(mut self) {
+    /// Steps until the server is dropped (`Ok` return) or a step fails (published on `failure`).
+    fn run(mut self, failure: &watch::Sender<Option<String>>) {
         loop {
             // Idle: wait for work (the channel closes when the server is dropped).
             if !self.engine.has_unfinished() {
@@ -210,7 +253,16 @@ impl EngineThread {
                         self.update_gauges();
                         self.dispatch(outputs);
                     }
-                    Err(e) => self.fail_all(&e.to_string()),
+                    Err(e) => {
+                        let cause = e.to_string();
+                        eprintln!("burn-nanovllm: {cause}");
+                        // Published first: a client that sees the error sees /health 503.
+                        self.metrics.engine_failures.inc();
+                        failure.send_replace(Some(cause.clone()));
+                        self.fail_all(&cause);
+                        self.update_gauges();
+                        return;
+                    }
                 }
             }
             self.update_gauges();

@@ -56,9 +56,12 @@ impl From<EngineError> for ApiError {
             | EngineError::NoTokenizer => Some("prompt".to_string()),
             _ => None,
         };
-        match param {
-            Some(_) => Self::bad_request(e.to_string(), param),
-            None => Self::new(StatusCode::INTERNAL_SERVER_ERROR, e.to_string()),
+        match (param, &e) {
+            (Some(field), _) => Self::bad_request(e.to_string(), Some(field)),
+            (None, EngineError::DeviceFailed(_)) => {
+                Self::new(StatusCode::SERVICE_UNAVAILABLE, e.to_string())
+            }
+            (None, _) => Self::new(StatusCode::INTERNAL_SERVER_ERROR, e.to_string()),
         }
     }
 }

@@ -1,6 +1,6 @@
 //! The server's Prometheus metrics (`GET /metrics`, text format), vLLM's set: requests running
 //! and waiting, KV-block usage, prefix-cache hit rate, prompt and generated token counters,
-//! TTFT, inter-token and end-to-end latency histograms.
+//! engine failures, TTFT, inter-token and end-to-end latency histograms.
 
 use std::sync::atomic::AtomicU64;
 
@@ -29,6 +29,8 @@ pub struct Metrics {
     pub requests_finished: Counter,
     /// Requests refused because the queue was full (503).
     pub requests_rejected: Counter,
+    /// Device failures that stopped the engine (0 or 1: the server exits after one).
+    pub engine_failures: Counter,
     /// Seconds from arrival to the first token.
     pub time_to_first_token: Histogram,
     /// Seconds between consecutive tokens of a request.
@@ -50,6 +52,7 @@ impl Metrics {
             generation_tokens: Counter::default(),
             requests_finished: Counter::default(),
             requests_rejected: Counter::default(),
+            engine_failures: Counter::default(),
             time_to_first_token: seconds(0.001),
             inter_token_latency: seconds(0.0005),
             e2e_latency: seconds(0.01),
@@ -94,6 +97,11 @@ impl Metrics {
             "requests_rejected",
             "Requests refused because the queue was full",
             m.requests_rejected.clone(),
+        );
+        r.register(
+            "engine_failures",
+            "Device failures that stopped the engine",
+            m.engine_failures.clone(),
         );
         r.register(
             "time_to_first_token_seconds",

@@ -8,6 +8,7 @@ mod error;
 mod metrics;
 mod protocol;
 mod routes;
+mod tokenize;
 
 use std::future::Future;
 use std::sync::Arc;
@@ -24,6 +25,7 @@ pub use metrics::Metrics;
 
 use crate::error::LlmError;
 use routes::AppState;
+use tokenize::PromptTokenizer;
 
 /// Server options.
 #[derive(Clone, Debug)]
@@ -38,6 +40,12 @@ pub struct ServerConfig {
     pub max_body_bytes: usize,
     /// After a shutdown signal, how long in-flight requests may run before they are aborted.
     pub shutdown_timeout: Duration,
+    /// After the engine fails, how long the server still answers (`/health` 503, `/metrics`,
+    /// 503 to new requests) before it shuts down and [`Server::serve`] returns the failure.
+    pub failure_grace: Duration,
+    /// Long prompts tokenized at once, on tokio's blocking pool (short ones are tokenized
+    /// inline).
+    pub tokenizer_threads: usize,
 }
 
 impl Default for ServerConfig {
@@ -48,6 +56,9 @@ impl Default for ServerConfig {
             max_pending: 1024,
             max_body_bytes: 4 << 20,
             shutdown_timeout: Duration::from_secs(30),
+            failure_grace: Duration::from_secs(2),
+            tokenizer_threads: std::thread::available_parallelism()
+                .map_or(1, |n| (n.get() / 2).max(1)),
         }
     }
 }
@@ -68,7 +79,13 @@ impl Server {
         let (metrics, registry) = Metrics::new();
         let engine = EngineHandle::spawn(make, config.max_pending, metrics)?;
         let started = routes::unix_now();
+        let tokenizer = PromptTokenizer::new(
+            engine.info.tokenizer.clone(),
+            engine.info.max_model_len,
+            config.tokenizer_threads,
+        );
         let state = Arc::new(AppState {
+            tokenizer,
             engine,
             model_name: config.model_name.clone(),
             api_key: config.api_key.clone(),
@@ -98,23 +115,46 @@ impl Server {
 
     /// Serves on `listener` until `shutdown` resolves; then stops accepting, lets in-flight
     /// requests finish for `shutdown_timeout`, aborts the rest, and returns once every
-    /// connection has closed.
+    /// connection has closed. When the engine fails (the device failed), every request has
+    /// its error; the server keeps answering for `failure_grace` (`/health` 503), shuts down and
+    /// returns an error naming the cause, within another `failure_grace`, so that a supervisor
+    /// restarts the process.
     pub async fn serve(
         self,
         listener: TcpListener,
         shutdown: impl Future<Output = ()> + Send + 'static,
     ) -> std::io::Result<()> {
-        let state = self.state.clone();
-        let timeout = self.config.shutdown_timeout;
-        axum::serve(listener, self.router)
-            .with_graceful_shutdown(async move {
-                shutdown.await;
-                tokio::spawn(async move {
-                    tokio::time::sleep(timeout).await;
-                    state.engine.abort_all();
-                });
-            })
-            .await
+        let (state, failed) = (self.state.clone(), self.state.clone());
+        let (timeout, grace) = (self.config.shutdown_timeout, self.config.failure_grace);
+        let (failure_tx, mut failure_rx) = tokio::sync::oneshot::channel::<String>();
+        let stop = async move {
+            tokio::select! {
+                _ = shutdown => {
+                    tokio::spawn(async move {
+                        tokio::time::sleep(timeout).await;
+                        state.engine.abort_all();
+                    });
+                }
+                cause = failed.engine.failed() => {
+                    tokio::time::sleep(grace).await;
+                    let _ = failure_tx.send(cause);
+                }
+            }
+        };
+        let server = axum::serve(listener, self.router).with_graceful_shutdown(stop);
+        let mut server = std::pin::pin!(server.into_future());
+        let served = tokio::select! {
+            served = &mut server => served,
+            // Failed: the connections left get `grace` to close, then the server is dropped.
+            Ok(cause) = &mut failure_rx => {
+                let _ = tokio::time::timeout(grace, &mut server).await;
+                return Err(std::io::Error::other(format!("the engine failed: {cause}")));
+            }
+        };
+        match failure_rx.try_recv() {
+            Ok(cause) => Err(std::io::Error::other(format!("the engine failed: {cause}"))),
+            Err(_) => served,
+        }
     }
 }
 

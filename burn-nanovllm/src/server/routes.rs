@@ -22,10 +22,15 @@ use super::engine_loop::{EngineHandle, Event};
 use super::error::ApiError;
 use super::metrics::render;
 use super::protocol::{Endpoint, OpenAiRequest, PromptSpec};
+use super::tokenize::{PromptTokenizer, release_free_memory};
+
+/// Bodies above this size hand their memory back to the OS once answered.
+const RELEASE_AFTER_BYTES: usize = 1 << 20;
 
 /// What every handler shares.
 pub struct AppState {
     pub engine: EngineHandle,
+    pub tokenizer: PromptTokenizer,
     pub model_name: String,
     pub api_key: Option<String>,
     pub registry: Registry,
@@ -105,10 +110,15 @@ pub async fn chat_completions(
 }
 
 async fn respond(s: Shared, endpoint: Endpoint, body: Result<Bytes, BytesRejection>) -> Response {
-    match run(s, endpoint, body).await {
+    let large = body.as_ref().is_ok_and(|b| b.len() > RELEASE_AFTER_BYTES);
+    let response = match run(s, endpoint, body).await {
         Ok(r) => r,
         Err(e) => e.into_response(),
+    };
+    if large {
+        release_free_memory();
     }
+    response
 }
 
 async fn run(
@@ -133,10 +143,31 @@ async fn run(
         });
     }
     let info = &s.engine.info;
-    let prompt = tokenize(&req.prompt(endpoint)?, &s)?;
     let (mut params, max_tokens) = req.sampling_params(endpoint, &info.defaults)?;
-    if max_tokens.is_none() {
-        params.max_tokens = info.max_model_len.saturating_sub(prompt.len()).max(1);
+    let (stream, usage) = req.streaming();
+    let prompt = req.prompt(endpoint)?;
+    drop(req);
+    let prompt = tokenize(prompt, &s).await?;
+    let max_model_len = info.max_model_len;
+    match max_tokens {
+        None => params.max_tokens = max_model_len.saturating_sub(prompt.len()).max(1),
+        // vLLM's answer: the prompt and the completion must fit in the context (a prompt that
+        // alone does not is refused by the engine, naming `prompt`).
+        Some(m)
+            if prompt.len() < max_model_len && prompt.len().saturating_add(m) > max_model_len =>
+        {
+            return Err(ApiError::bad_request(
+                format!(
+                    "this model's maximum context length is {max_model_len} tokens, but {} were \
+                     requested ({} in the prompt, {m} in the completion): reduce the prompt or \
+                     max_tokens",
+                    prompt.len().saturating_add(m),
+                    prompt.len()
+                ),
+                Some("max_tokens".into()),
+            ));
+        }
+        Some(_) => {}
     }
     let num_prompt = prompt.len();
     let (id, rx) = s.engine.submit(prompt, params).await?;
@@ -151,7 +182,6 @@ async fn run(
         state: s.clone(),
         num_prompt,
     };
-    let (stream, usage) = req.streaming();
     if stream {
         Ok(reply.stream(rx, usage))
     } else {
@@ -159,26 +189,18 @@ async fn run(
     }
 }
 
-fn tokenize(prompt: &PromptSpec, s: &AppState) -> Result<Vec<u32>, ApiError> {
-    let field = |p: &str| Some(p.to_string());
-    let tokenizer = || {
-        s.engine.info.tokenizer.as_ref().ok_or_else(|| {
-            ApiError::bad_request(
-                "the model has no tokenizer.json: send token ids".into(),
-                field("prompt"),
-            )
-        })
-    };
-    let bad = |e: model_qwen2::ModelError, p: &str| ApiError::bad_request(e.to_string(), field(p));
+async fn tokenize(prompt: PromptSpec, s: &AppState) -> Result<Vec<u32>, ApiError> {
     match prompt {
-        PromptSpec::Tokens(ids) => Ok(ids.clone()),
-        PromptSpec::Text(t) => tokenizer()?.encode(t).map_err(|e| bad(e, "prompt")),
+        PromptSpec::Tokens(ids) => Ok(ids),
+        PromptSpec::Text(t) => s.tokenizer.encode(t, "prompt").await,
         PromptSpec::Chat(messages) => {
-            let t = tokenizer()?;
-            let text = t
-                .apply_chat_template(messages, true)
-                .map_err(|e| bad(e, "messages"))?;
-            t.encode(&text).map_err(|e| bad(e, "messages"))
+            let text = s
+                .tokenizer
+                .tokenizer("messages")?
+                .apply_chat_template(&messages, true)
+                .map_err(|e| ApiError::bad_request(e.to_string(), Some("messages".into())))?;
+            drop(messages);
+            s.tokenizer.encode(text, "messages").await
         }
     }
 }

@@ -18,6 +18,7 @@ use burn_nanovllm::{
 use serde_json::{Value, json};
 use tokio::net::TcpListener;
 use tokio::sync::oneshot;
+use tokio::task::JoinHandle;
 use tokio_stream::StreamExt;
 
 const MODEL: &str = "tiny";
@@ -61,22 +62,25 @@ async fn start(config: ServerConfig) -> TestServer {
 }
 
 async fn start_with(model: &'static str, config: ServerConfig) -> TestServer {
+    let make = move || Ok(LLMEngine::new(fixture_named(model), engine_config())?);
+    spawn_server(make, config).await.0
+}
+
+/// A server over the engine `make` builds, and the task that serves it.
+async fn spawn_server(
+    make: impl FnOnce() -> Result<LLMEngine, burn_nanovllm::LlmError> + Send + 'static,
+    config: ServerConfig,
+) -> (TestServer, JoinHandle<std::io::Result<()>>) {
     let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
     let base = format!("http://{}", listener.local_addr().unwrap());
-    let server = tokio::task::spawn_blocking(move || {
-        Server::new(
-            move || Ok(LLMEngine::new(fixture_named(model), engine_config())?),
-            config,
-        )
-        .unwrap()
-    })
-    .await
-    .unwrap();
+    let server = tokio::task::spawn_blocking(move || Server::new(make, config).unwrap())
+        .await
+        .unwrap();
     let (stop, stopped) = oneshot::channel::<()>();
-    tokio::spawn(server.serve(listener, async {
+    let serving = tokio::spawn(server.serve(listener, async {
         let _ = stopped.await;
     }));
-    TestServer { base, _stop: stop }
+    (TestServer { base, _stop: stop }, serving)
 }
 
 fn config() -> ServerConfig {
@@ -335,6 +339,36 @@ async fn bad_requests_get_openai_errors_and_the_server_stays_healthy() {
         ),
         (ok.clone(), "/v1/completions", None, 401, None),
         (ok.clone(), "/v1/completions", Some("sk-wrong"), 401, None),
+        // Past the context (max_model_len = 256) with the prompt: vLLM's 400.
+        (
+            r#"{"prompt": "Hi", "max_tokens": 2147483648}"#.into(),
+            "/v1/completions",
+            Some(KEY),
+            400,
+            Some("max_tokens"),
+        ),
+        (
+            r#"{"prompt": "Hi", "max_tokens": 9223372036854775807}"#.into(),
+            "/v1/completions",
+            Some(KEY),
+            400,
+            Some("max_tokens"),
+        ),
+        (
+            r#"{"messages": [{"role": "user", "content": "Hi"}], "max_completion_tokens": 255}"#
+                .into(),
+            "/v1/chat/completions",
+            Some(KEY),
+            400,
+            Some("max_tokens"),
+        ),
+        (
+            r#"{"prompt": "Hi", "max_tokens": 18446744073709551616}"#.into(),
+            "/v1/completions",
+            Some(KEY),
+            400,
+            Some("max_tokens"),
+        ),
     ];
     for (body, path, key, status, param) in cases {
         let r = post(&s, path, &body, key).await;
@@ -346,6 +380,37 @@ async fn bad_requests_get_openai_errors_and_the_server_stays_healthy() {
             assert_eq!(v["error"]["param"], p, "{v}");
         }
     }
+    // Texts that cannot fit (1 MB: over 256 tokens × 256 bytes, the longest token, × 4) are
+    // refused by their size before tokenization; the context message counts tokens.
+    let huge = "lorem ipsum ".repeat(1 << 17);
+    let bodies = [
+        ("/v1/completions", json!({"prompt": huge}), "prompt"),
+        (
+            "/v1/chat/completions",
+            json!({"messages": [{"role": "user", "content": huge}]}),
+            "messages",
+        ),
+    ];
+    for (path, body, field) in bodies {
+        let r = post(&s, path, &body.to_string(), Some(KEY)).await;
+        assert_eq!(r.status(), 400);
+        let v: Value = r.json().await.unwrap();
+        assert_eq!(v["error"]["param"], field, "{v}");
+        let message = v["error"]["message"].as_str().unwrap();
+        assert!(
+            message.contains("bytes of text are more than max_model_len = 256"),
+            "{message}"
+        );
+    }
+    let over = json!({"prompt": "Hi", "max_tokens": 256}).to_string();
+    let r = post(&s, "/v1/completions", &over, Some(KEY)).await;
+    let v: Value = r.json().await.unwrap();
+    let message = v["error"]["message"].as_str().unwrap();
+    assert!(
+        message.contains("maximum context length is 256 tokens"),
+        "{message}"
+    );
+    assert!(message.contains("in the completion"), "{message}");
     let r = post(&s, "/v1/completions", &ok, Some(KEY)).await;
     assert_eq!(r.status(), 200);
     let models: Value = reqwest::Client::new()
@@ -469,4 +534,143 @@ async fn token_ids_stream_on_a_model_without_tokenizer() {
         assert_eq!(v["error"]["param"], param, "{v}");
     }
     assert_eq!(metric(&s, "requests_finished_total").await, 1.0);
+}
+
+/// A device failure (injected in the runner at the 4th forward, as a poisoned device fails
+/// every later one): every request in flight, running or waiting, streaming or not, gets its
+/// cause; `/health` turns 503, `/metrics` counts it, new requests get 503; then `serve` returns
+/// the failure, within the grace period and a bound, for `serve` to exit non-zero.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_failed_device_fails_every_request_and_stops_the_server() {
+    const CAUSE: &str = "injected device fault";
+    let make = || {
+        let mut engine = LLMEngine::new(fixture(), engine_config())?;
+        engine.set_fault_hook(Box::new(|forward| match forward {
+            0..3 => Ok(()),
+            _ => Err(format!("{CAUSE} at forward {forward}")),
+        }));
+        Ok(engine)
+    };
+    let config = ServerConfig {
+        failure_grace: Duration::from_secs(1),
+        ..config()
+    };
+    let (s, serving) = spawn_server(make, config).await;
+    let body = |i: usize, stream: bool| {
+        json!({"prompt": format!("Request {i} goes"), "max_tokens": 40, "ignore_eos": true,
+               "stream": stream})
+        .to_string()
+    };
+    // 12 requests: more than max_num_seqs = 8, so some wait when the device fails.
+    let tasks: Vec<_> = (0..12)
+        .map(|i| {
+            let (base, b) = (s.base.clone(), body(i, i % 3 == 0));
+            tokio::spawn(async move {
+                let r = reqwest::Client::new()
+                    .post(format!("{base}/v1/completions"))
+                    .bearer_auth(KEY)
+                    .body(b)
+                    .send()
+                    .await
+                    .unwrap();
+                (r.status().as_u16(), r.text().await.unwrap())
+            })
+        })
+        .collect();
+    for (i, t) in tasks.into_iter().enumerate() {
+        let (status, text) = tokio::time::timeout(Duration::from_secs(60), t)
+            .await
+            .unwrap()
+            .unwrap();
+        assert!(text.contains(CAUSE), "request {i}: {status} {text}");
+        if i % 3 == 0 {
+            // Streams started with 200: the error comes as an event, then [DONE].
+            assert!(status == 200 || status == 503, "request {i}: {status}");
+        } else {
+            assert!(
+                status == 500 || status == 503,
+                "request {i}: {status} {text}"
+            );
+        }
+    }
+    let health = reqwest::get(format!("{}/health", s.base)).await.unwrap();
+    assert_eq!(health.status(), 503);
+    assert_eq!(metric(&s, "engine_failures_total").await, 1.0);
+    let r = post(&s, "/v1/completions", &body(99, false), Some(KEY)).await;
+    assert_eq!(r.status(), 503);
+    assert!(r.text().await.unwrap().contains(CAUSE));
+    let served = tokio::time::timeout(Duration::from_secs(30), serving)
+        .await
+        .expect("serve returns after the failure")
+        .unwrap();
+    let err = served.expect_err("serve ends with the failure");
+    assert!(err.to_string().contains(CAUSE), "{err}");
+}
+
+/// The default model ships a chat template: chat completions and the terminal chat work out
+/// of the box, and a turn ends at `<|im_end|>` or `max_tokens`.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_default_model_chats_out_of_the_box() {
+    let make = || {
+        Ok(LLMEngine::new(
+            burn_nanovllm::default_model_dir(),
+            engine_config(),
+        )?)
+    };
+    let (s, _serving) = spawn_server(make, config()).await;
+    let request = CreateChatCompletionRequestArgs::default()
+        .model(MODEL)
+        .messages([ChatCompletionRequestUserMessageArgs::default()
+            .content("Tell me about the sea.")
+            .build()
+            .unwrap()
+            .into()])
+        .max_completion_tokens(16u32)
+        .temperature(0.0)
+        .build()
+        .unwrap();
+    let reply = client(&s).chat().create(request).await.unwrap();
+    let content = reply.choices[0].message.content.clone().unwrap();
+    assert!(!content.trim().is_empty(), "{reply:?}");
+    let usage = reply.usage.unwrap();
+    assert!(usage.completion_tokens >= 1 && usage.completion_tokens <= 16);
+    // ChatML turns: the prompt holds <|im_start|>user … <|im_end|> <|im_start|>assistant.
+    let expected = tokio::task::spawn_blocking(|| {
+        let llm = LLM::new(burn_nanovllm::default_model_dir(), engine_config()).unwrap();
+        let t = llm.engine().tokenizer().unwrap().clone();
+        let text = t
+            .apply_chat_template(&[ChatMessage::new("user", "Tell me about the sea.")], true)
+            .unwrap();
+        assert_eq!(
+            text,
+            "<|im_start|>user\nTell me about the sea.<|im_end|>\n<|im_start|>assistant\n"
+        );
+        assert!(
+            llm.engine()
+                .eos_token_ids()
+                .contains(&t.token_to_id("<|im_end|>").unwrap())
+        );
+        t.encode(&text).unwrap().len()
+    })
+    .await
+    .unwrap();
+    assert_eq!(usage.prompt_tokens as usize, expected);
+    // The terminal chat over the same model: two turns, then end of input.
+    let transcript = tokio::task::spawn_blocking(|| {
+        let mut llm = LLM::new(burn_nanovllm::default_model_dir(), engine_config()).unwrap();
+        llm.set_progress(false);
+        let params = SamplingParams {
+            temperature: 0.0,
+            max_tokens: 8,
+            ..SamplingParams::default()
+        };
+        let mut out = Vec::new();
+        let input = &b"Hello there.\nWhat is the sea?\n"[..];
+        burn_nanovllm::chat_loop(&mut llm, &params, None, input, &mut out).unwrap();
+        String::from_utf8(out).unwrap()
+    })
+    .await
+    .unwrap();
+    assert_eq!(transcript.matches("> ").count(), 3, "{transcript}");
+    assert!(transcript.lines().count() >= 3, "{transcript}");
 }

@@ -361,6 +361,62 @@ fn abort_frees_the_request() {
     assert!(!engine.has_unfinished());
 }
 
+/// A device failure injected in the runner (an error, then a panic, as a faulting backend
+/// gives either) ends every running and waiting request with its cause and stops the engine:
+/// later steps and requests answer the same error, and nothing panics out of `step`.
+#[test]
+fn a_failed_device_ends_every_request_and_the_engine() {
+    let name = "qwen2-tiny-untied";
+    let prompts = Golden::load(name).prompts();
+    for panics in [false, true] {
+        let config = EngineConfig {
+            max_num_seqs: 2,
+            ..small_config()
+        };
+        let mut engine = engine_on(name, test_device(), config);
+        engine.set_fault_hook(Box::new(move |forward| match forward {
+            0..3 => Ok(()),
+            _ if panics => panic!("injected kernel panic at forward {forward}"),
+            _ => Err(format!("injected device fault at forward {forward}")),
+        }));
+        let ids: Vec<_> = prompts
+            .iter()
+            .take(4)
+            .map(|p| engine.add_request(p.clone(), greedy(20)).unwrap())
+            .collect();
+        let mut steps = 0;
+        let err = loop {
+            match engine.step() {
+                Ok(_) => steps += 1,
+                Err(e) => break e,
+            }
+            assert!(steps < 10, "the injected fault never surfaced");
+        };
+        assert_eq!(steps, 3, "three forwards ran before the fault");
+        let cause = if panics {
+            "injected kernel panic at forward 3"
+        } else {
+            "injected device fault at forward 3"
+        };
+        assert!(
+            matches!(&err, EngineError::DeviceFailed(c) if c.contains(cause)),
+            "{err}"
+        );
+        assert_eq!(engine.failure().map(|c| c.contains(cause)), Some(true));
+        // Two requests ran and two waited (max_num_seqs = 2): none is left.
+        assert_eq!(ids.len(), 4);
+        assert!(!engine.has_unfinished());
+        assert_eq!((engine.num_running(), engine.num_waiting()), (0, 0));
+        assert_eq!(engine.kv_usage(), 0.0);
+        let again = engine.step().unwrap_err();
+        assert!(again.to_string().contains(cause), "{again}");
+        let refused = engine
+            .add_request(prompts[0].clone(), greedy(4))
+            .unwrap_err();
+        assert!(matches!(refused, EngineError::DeviceFailed(_)), "{refused}");
+    }
+}
+
 /// Decode steps replayed as CUDA graphs (captured once, at one-token contexts, with the
 /// decode split planned for `max_model_len`) give the tokens eager steps give, as contexts
 /// grow to hundreds of tokens. Without CUDA both runs are eager.
