@@ -7,6 +7,11 @@ use serde_json::Value;
 
 use crate::error::{ModelError, Result};
 
+/// The smallest head dimension the attention kernels take.
+pub const MIN_HEAD_DIM: usize = 8;
+/// The largest head dimension the attention kernels take.
+pub const MAX_HEAD_DIM: usize = 256;
+
 /// The model family, from `architectures[0]`.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Architecture {
@@ -119,7 +124,8 @@ impl Qwen2Config {
         })
     }
 
-    /// Parses and checks the text of a `config.json`.
+    /// Parses and checks the text of a `config.json`: every field the kernels depend on is in
+    /// a range they support, or the error names it.
     pub fn from_json(text: &str) -> Result<Self> {
         let raw: RawConfig = serde_json::from_str(text).map_err(|e| ModelError::Parse {
             path: "config.json".into(),
@@ -147,6 +153,23 @@ impl Qwen2Config {
                 ));
             }
         };
+        for (field, value) in [
+            ("vocab_size", raw.vocab_size),
+            ("hidden_size", raw.hidden_size),
+            ("intermediate_size", raw.intermediate_size),
+            ("num_hidden_layers", raw.num_hidden_layers),
+        ] {
+            if value == 0 {
+                return Err(ModelError::unsupported(field, 0, "must be at least 1"));
+            }
+        }
+        if raw.vocab_size > u32::MAX as usize {
+            return Err(ModelError::unsupported(
+                "vocab_size",
+                raw.vocab_size,
+                "token ids are 32-bit",
+            ));
+        }
         if raw.use_sliding_window {
             return Err(ModelError::unsupported(
                 "use_sliding_window",
@@ -202,6 +225,15 @@ impl Qwen2Config {
                 "head_dim",
                 head_dim,
                 "RoPE needs an even head_dim",
+            ));
+        }
+        // The attention kernels' range, every size of it covered by the shape sweep (8, 16, 18,
+        // 24 … 256) on the CPU runtime and CUDA; beyond 256 the tiles outgrow shared memory.
+        if !(MIN_HEAD_DIM..=MAX_HEAD_DIM).contains(&head_dim) {
+            return Err(ModelError::unsupported(
+                "head_dim",
+                head_dim,
+                format!("the attention kernels take head_dim {MIN_HEAD_DIM} to {MAX_HEAD_DIM}"),
             ));
         }
         let attention_bias = raw

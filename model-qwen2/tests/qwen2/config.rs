@@ -77,6 +77,24 @@ fn refuses_unsupported_settings_naming_the_field() {
         edited(|j| j["num_key_value_heads"] = 3.into()),
         "num_key_value_heads",
     );
+    // Shapes outside the kernels' range: head_dim 512, 4, odd; empty sizes.
+    for head_dim in [512, 4, 33] {
+        assert_refused(
+            edited(|j| {
+                j["architectures"] = serde_json::json!(["Qwen3ForCausalLM"]);
+                j["head_dim"] = head_dim.into();
+            }),
+            "head_dim",
+        );
+    }
+    for field in [
+        "vocab_size",
+        "hidden_size",
+        "intermediate_size",
+        "num_hidden_layers",
+    ] {
+        assert_refused(edited(|j| j[field] = 0.into()), field);
+    }
     // sliding_window set but switched off, as in real Qwen2.5 configs, is fine.
     edited(|j| j["sliding_window"] = 4096.into()).unwrap();
     // transformers 5 moves rope_theta into rope_parameters.
