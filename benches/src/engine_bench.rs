@@ -460,20 +460,30 @@ fn print_step_profile(records: &[burn_nanovllm::StepRecord]) {
                 .collect(),
         ));
     }
-    eprintln!("step profile (ms per step): class, steps, tokens, schedule, forward, sample, post");
+    // Steps are synchronous: the device has nothing queued from the moment the sampled ids are
+    // back (end of `sample`) until the next step's forward is enqueued, so its idle share is
+    // (post + schedule + forward) over the step (an upper bound: the first kernels may start
+    // before the enqueue call returns).
+    eprintln!(
+        "step profile (ms per step): class, steps, tokens, schedule, forward, sample, post, \
+         GPU idle %"
+    );
     for (name, rs) in classes.iter().filter(|(_, rs)| !rs.is_empty()) {
         let n = rs.len() as f64;
         let mean = |f: fn(&burn_nanovllm::StepRecord) -> std::time::Duration| {
             rs.iter().map(|r| ms(f(r))).sum::<f64>() / n
         };
-        eprintln!(
-            "{name}, {}, {:.0}, {:.3}, {:.3}, {:.3}, {:.3}",
-            rs.len(),
-            rs.iter().map(|r| r.num_tokens).sum::<usize>() as f64 / n,
+        let (schedule, forward, sample, post) = (
             mean(|r| r.schedule),
             mean(|r| r.forward),
             mean(|r| r.sample),
-            mean(|r| r.post)
+            mean(|r| r.post),
+        );
+        let idle = 100.0 * (schedule + forward + post) / (schedule + forward + sample + post);
+        eprintln!(
+            "{name}, {}, {:.0}, {schedule:.3}, {forward:.3}, {sample:.3}, {post:.3}, {idle:.1}",
+            rs.len(),
+            rs.iter().map(|r| r.num_tokens).sum::<usize>() as f64 / n,
         );
     }
     let mixed: Vec<String> = records

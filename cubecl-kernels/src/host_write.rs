@@ -13,18 +13,27 @@ use cubecl::bytes::Bytes;
 use crate::KernelError;
 use crate::ops::{HostInts, KernelOps};
 
-/// Writes `values` into `dst` (`[n]`, i32) in place. On CubeCL devices the buffer keeps its
-/// address; elsewhere (no graphs there) `dst` is replaced by a new tensor of the same values.
-/// Keep 2-D inputs (block tables) as 1-D buffers and hand the kernels reshaped views: a 2-D
-/// device tensor may be row-pitched.
-pub fn write_ints(dst: &mut Tensor<1, Int>, values: &[i32]) -> Result<(), KernelError> {
-    if dst.dims()[0] != values.len() || dst.dtype() != DType::I32 {
+/// Writes `values` into `dst[offset..offset + values.len()]` (`dst`: `[n]` i32) in place. On
+/// CubeCL devices the buffer keeps its address (one host-to-device copy); elsewhere (no graphs
+/// there) `dst` is replaced by a new tensor holding the new values. Keep 2-D inputs (block
+/// tables) as 1-D buffers and hand the kernels reshaped views: a 2-D device tensor may be
+/// row-pitched.
+pub fn write_ints(
+    dst: &mut Tensor<1, Int>,
+    offset: usize,
+    values: &[i32],
+) -> Result<(), KernelError> {
+    let n = dst.dims()[0];
+    if offset.checked_add(values.len()).is_none_or(|end| end > n) || dst.dtype() != DType::I32 {
         return Err(KernelError::invalid(format!(
-            "write_ints: destination {:?} {:?}, {} i32 values",
+            "write_ints: destination {:?} {:?}, {} i32 values at offset {offset}",
             dst.dims(),
             dst.dtype(),
             values.len()
         )));
+    }
+    if values.is_empty() {
+        return Ok(());
     }
     let on_cube = {
         #[allow(unreachable_patterns)]
@@ -36,26 +45,35 @@ pub fn write_ints(dst: &mut Tensor<1, Int>, values: &[i32]) -> Result<(), Kernel
     };
     if !on_cube {
         let device = dst.device();
-        *dst = Tensor::from_data(
-            TensorData::new(values.to_vec(), [values.len()]),
-            (&device, DType::I32),
-        );
+        let mut all: Vec<i32> = dst
+            .clone()
+            .into_data()
+            .try_into_vec_as::<i32>()
+            .map_err(|e| KernelError::invalid(format!("write_ints: {e:?}")))?;
+        all[offset..offset + values.len()].copy_from_slice(values);
+        *dst = Tensor::from_data(TensorData::new(all, [n]), (&device, DType::I32));
         return Ok(());
     }
-    let host = HostInts(std::sync::Arc::new(values.to_vec()));
+    let host = HostInts {
+        offset,
+        values: std::sync::Arc::new(values.to_vec()),
+    };
     let out = Dispatch::write_ints(dst.extract().into_dispatch(), host);
     *dst = Tensor::from_dispatch(out);
     Ok(())
 }
 
-/// The CubeCL side: a host-to-device copy into `dst`'s own buffer.
-pub(crate) fn write_cube(dst: CubeTensor, values: &[i32]) -> CubeTensor {
+/// The CubeCL side: a host-to-device copy into `dst`'s own buffer, `offset` elements in.
+pub(crate) fn write_cube(dst: CubeTensor, offset: usize, values: &[i32]) -> CubeTensor {
+    let n = dst.meta.shape().iter().product::<usize>();
     assert!(
-        dst.is_contiguous() && dst.meta.shape().iter().product::<usize>() == values.len(),
-        "write_ints: the destination must be a contiguous tensor of {} elements",
+        dst.is_contiguous() && offset + values.len() <= n,
+        "write_ints: the destination must be a contiguous tensor holding {} elements at {offset}",
         values.len()
     );
-    dst.client
-        .write(&dst.handle, Bytes::from_elems(values.to_vec()));
+    let start = (offset * std::mem::size_of::<i32>()) as u64;
+    let end = ((n - offset - values.len()) * std::mem::size_of::<i32>()) as u64;
+    let span = dst.handle.clone().offset_start(start).offset_end(end);
+    dst.client.write(&span, Bytes::from_elems(values.to_vec()));
     dst
 }

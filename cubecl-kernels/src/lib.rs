@@ -35,7 +35,7 @@
 //! | [`linear_add`] | `x [M, K]`, `W [N, K]`, `b [N]`, `residual [M, N]` → `x·Wᵀ + b + residual` |
 //! | [`paged_attention`] | `q [T, heads, d]` over each sequence's cached context → `[T, heads, d]` |
 //! | [`sample`] | `logits [B, V]` (f32) → next tokens `[B]` (greedy, or seeded min-p/top-k/top-p draws) |
-//! | [`write_ints`] | host `i32` values into an existing device buffer, in place (graph inputs) |
+//! | [`write_ints`] | host `i32` values into a span of an existing device buffer, in place (graph inputs) |
 
 #![warn(missing_docs)]
 

@@ -31,9 +31,15 @@ pub struct AttentionPlan {
     pub prefill_tile_rows: Option<usize>,
 }
 
-/// Host values to write into a device buffer in place (see [`crate::write_ints`]).
+/// Host values to write into a device buffer in place, `offset` elements in (see
+/// [`crate::write_ints`]).
 #[derive(Clone, Debug)]
-pub struct HostInts(pub Arc<Vec<i32>>);
+pub struct HostInts {
+    /// Where in the buffer the values go.
+    pub offset: usize,
+    /// The values.
+    pub values: Arc<Vec<i32>>,
+}
 
 /// Our fused ops as a Burn backend extension. Call them through the functions of this crate
 /// (which check arguments and fall back to plain Burn off CubeCL devices), not directly.
@@ -109,8 +115,8 @@ pub trait KernelOps: Backend {
         plan: AttentionPlan,
     ) -> FloatTensor<Self>;
 
-    /// Writes `values` into `dst` (`[n]` i32, contiguous) in place and returns it: the buffer
-    /// keeps its address, so a captured graph that reads it sees the new values.
+    /// Writes `values` into `dst` (`[n]` i32, contiguous) from `values.offset` on, in place, and
+    /// returns it: the buffer keeps its address, so a captured graph that reads it sees them.
     #[fusion(meta = write_ints_meta)]
     fn write_ints(dst: IntTensor<Self>, values: HostInts) -> IntTensor<Self>;
 
@@ -320,7 +326,7 @@ impl KernelOps for CubeBackend {
     }
 
     fn write_ints(dst: IntTensor<Self>, values: HostInts) -> IntTensor<Self> {
-        host_write::write_cube(dst, &values.0)
+        host_write::write_cube(dst, values.offset, &values.values)
     }
 
     fn sample(

@@ -23,6 +23,7 @@
 //! run eagerly instead of replayed (`EngineConfig::emulate_graphs`), so that CPU tests cover
 //! the layout, the padding and the kernels' skips.
 
+use std::ops::Range;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
@@ -94,6 +95,18 @@ impl Capacity {
     }
 }
 
+/// Indices of the inputs in [`StepInputs::parts`].
+const IDS: usize = 0;
+const POSITIONS: usize = 1;
+const SLOTS: usize = 2;
+const DECODE_CONTEXT: usize = 3;
+const SAMPLE_ROWS: usize = 4;
+const PREFILL_CONTEXT: usize = 5;
+const CU_SEQLENS: usize = 6;
+const TILES: usize = 7;
+const DECODE_TABLES: usize = 8;
+const PREFILL_TABLES: usize = 9;
+
 /// The host values of a graph's input buffers for one step (see the module doc).
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub(crate) struct StepInputs {
@@ -112,19 +125,19 @@ pub(crate) struct StepInputs {
 }
 
 impl StepInputs {
-    /// The inputs, in [`Buffers`]' order.
+    /// The inputs, in [`Buffers`]' order: those a decode step changes first.
     fn parts(&self) -> [&[i32]; 10] {
         [
             &self.ids,
             &self.positions,
             &self.slots,
-            &self.decode_tables,
             &self.decode_context,
-            &self.prefill_tables,
+            &self.sample_rows,
             &self.prefill_context,
             &self.cu_seqlens,
             &self.tiles,
-            &self.sample_rows,
+            &self.decode_tables,
+            &self.prefill_tables,
         ]
     }
 
@@ -210,82 +223,72 @@ impl StepInputs {
     }
 }
 
-/// The stable device inputs of one graph, one buffer per input (the graph reads them).
-/// A step rewrites them in place: one write each. (They cannot be views of one buffer
-/// written once: Burn's CubeCL slice is a view only at offsets aligned to the device's memory
-/// alignment, a copy elsewhere.)
+/// Elements each input starts at a multiple of in [`Buffers`]: 512 bytes, CUDA's memory
+/// alignment in CubeCL, at which Burn's CubeCL slice is a view (elsewhere it copies; the
+/// views are taken inside the captured forward, so a copy would only cost a kernel).
+const PART_ALIGN: usize = 128;
+
+/// The stable device inputs of one graph: every input in one `i32` buffer, each at an aligned
+/// offset, in [`StepInputs::parts`] order (the inputs a decode step changes first, the block
+/// tables last). A step writes the span of the inputs that changed since the last one, in one
+/// transfer; the forward reads views of the buffer.
 struct Buffers {
-    ids: Tensor<1, Int>,
-    positions: Tensor<1, Int>,
-    slots: Tensor<1, Int>,
-    decode_tables: Tensor<1, Int>,
-    decode_context: Tensor<1, Int>,
-    prefill_tables: Tensor<1, Int>,
-    prefill_context: Tensor<1, Int>,
-    cu_seqlens: Tensor<1, Int>,
-    tiles: Tensor<1, Int>,
-    sample_rows: Tensor<1, Int>,
-    /// The values the buffers hold: a step writes only the inputs that changed (a decode step
-    /// leaves the prefill inputs, all padding, and usually the block tables as they were).
-    /// `None` after a failed write.
-    held: Option<StepInputs>,
+    all: Tensor<1, Int>,
+    /// Each input's range in `all`.
+    ranges: [Range<usize>; 10],
+    /// What `all` holds, on the host.
+    mirror: Vec<i32>,
 }
 
 impl Buffers {
     fn new(x: &StepInputs, device: &Device) -> Self {
-        let mut buffers = x
-            .parts()
-            .map(|v| {
-                // An empty part (no prefill slots in a one-token graph) is never read.
-                let v = if v.is_empty() { &[0][..] } else { v };
-                Tensor::<1, Int>::from_data(
-                    TensorData::new(v.to_vec(), [v.len()]),
-                    (device, DType::I32),
-                )
-            })
-            .into_iter();
-        let mut next = || buffers.next().expect("ten parts");
+        let mut end = 0;
+        let ranges = x.parts().map(|v| {
+            // An empty part (no prefill slots in a one-token graph) is never read.
+            let start = end;
+            end = (start + v.len().max(1)).next_multiple_of(PART_ALIGN);
+            start..start + v.len().max(1)
+        });
+        let mut mirror = vec![0; end];
+        for (r, v) in ranges.iter().zip(x.parts()) {
+            mirror[r.start..r.start + v.len()].copy_from_slice(v);
+        }
+        let all = Tensor::<1, Int>::from_data(
+            TensorData::new(mirror.clone(), [mirror.len()]),
+            (device, DType::I32),
+        );
         Self {
-            ids: next(),
-            positions: next(),
-            slots: next(),
-            decode_tables: next(),
-            decode_context: next(),
-            prefill_tables: next(),
-            prefill_context: next(),
-            cu_seqlens: next(),
-            tiles: next(),
-            sample_rows: next(),
-            held: Some(x.clone()),
+            all,
+            ranges,
+            mirror,
         }
     }
 
-    /// Rewrites in place every input whose values differ from those held.
-    fn write(&mut self, x: StepInputs) -> Result<()> {
-        let held = self.held.take();
-        let dsts = [
-            &mut self.ids,
-            &mut self.positions,
-            &mut self.slots,
-            &mut self.decode_tables,
-            &mut self.decode_context,
-            &mut self.prefill_tables,
-            &mut self.prefill_context,
-            &mut self.cu_seqlens,
-            &mut self.tiles,
-            &mut self.sample_rows,
-        ];
-        let held = held.as_ref().map(StepInputs::parts);
-        for (i, (dst, values)) in dsts.into_iter().zip(x.parts()).enumerate() {
-            if !values.is_empty() && held.is_none_or(|h| h[i] != values) {
-                write_ints(dst, values)?;
+    /// Rewrites the span of the inputs whose values differ from those held, in one write.
+    fn write(&mut self, x: &StepInputs) -> Result<()> {
+        let mut span: Option<Range<usize>> = None;
+        for (r, v) in self.ranges.iter().zip(x.parts()) {
+            let held = &mut self.mirror[r.start..r.start + v.len()];
+            if held != v {
+                held.copy_from_slice(v);
+                span = Some(match span {
+                    None => r.start..r.start + v.len(),
+                    Some(s) => s.start.min(r.start)..s.end.max(r.start + v.len()),
+                });
             }
         }
-        self.held = Some(x);
+        if let Some(span) = span {
+            write_ints(&mut self.all, span.start, &self.mirror[span])?;
+        }
         Ok(())
     }
 
-    /// The padded layout the forward reads, over these buffers.
+    /// Input `i` ([`StepInputs::parts`] order) as a view of the buffer.
+    fn part(&self, i: usize) -> Tensor<1, Int> {
+        self.all.clone().slice(self.ranges[i].clone())
+    }
+
+    /// The padded layout the forward reads, over views of the buffer.
     fn metadata(
         &self,
         cap: Capacity,
@@ -295,20 +298,20 @@ impl Buffers {
         max_model_len: usize,
     ) -> AttentionMetadata {
         let tensors = MetadataTensors {
-            slot_mapping: self.slots.clone(),
-            positions: self.positions.clone(),
+            slot_mapping: self.part(SLOTS),
+            positions: self.part(POSITIONS),
             decode: (cap.decodes > 0).then(|| DecodeTensors {
-                block_tables: self.decode_tables.clone().reshape([cap.decodes, width]),
-                context_lens: self.decode_context.clone(),
+                block_tables: self.part(DECODE_TABLES).reshape([cap.decodes, width]),
+                context_lens: self.part(DECODE_CONTEXT),
             }),
             prefill: (cap.prefills > 0).then(|| PrefillTensors {
-                block_tables: self.prefill_tables.clone().reshape([cap.prefills, width]),
-                context_lens: self.prefill_context.clone(),
-                cu_seqlens_q: self.cu_seqlens.clone(),
+                block_tables: self.part(PREFILL_TABLES).reshape([cap.prefills, width]),
+                context_lens: self.part(PREFILL_CONTEXT),
+                cu_seqlens_q: self.part(CU_SEQLENS),
                 query_lens: Arc::new(Vec::new()),
                 tiles: Arc::new(TileCache::fixed(
                     tile_rows,
-                    self.tiles.clone().reshape([cap.tiles, 2]),
+                    self.part(TILES).reshape([cap.tiles, 2]),
                 )),
             }),
         };
@@ -335,7 +338,6 @@ enum Replay {
 struct StepGraph {
     cap: Capacity,
     buffers: Buffers,
-    meta: AttentionMetadata,
     replay: Replay,
 }
 
@@ -370,6 +372,7 @@ pub(crate) struct StepGraphs {
     width: usize,
     block_size: usize,
     tile_rows: usize,
+    max_model_len: usize,
     failures: Vec<String>,
     captured: Vec<GraphCapture>,
     timings: GraphTimings,
@@ -453,6 +456,7 @@ impl StepGraphs {
             width,
             block_size,
             tile_rows,
+            max_model_len,
             failures: Vec::new(),
             captured: Vec::new(),
             timings: GraphTimings::default(),
@@ -475,13 +479,12 @@ impl StepGraphs {
             let idle = StepInputs::new(&[], cap, width, block_size, tile_rows)?
                 .expect("an empty step fits");
             let buffers = Buffers::new(&idle, device);
-            let meta = buffers.metadata(cap, width, block_size, tile_rows, max_model_len);
             let replay = if emulate {
                 Replay::Eager
             } else {
                 let before = cuda_index.and_then(crate::memory::cuda_memory);
                 let start = Instant::now();
-                let captured = capture(device, || this.forward(&buffers, &meta));
+                let captured = capture(device, || this.forward(&buffers, cap));
                 let after = cuda_index.and_then(crate::memory::cuda_memory);
                 match captured {
                     Ok((graph, logits)) => {
@@ -502,7 +505,6 @@ impl StepGraphs {
             this.graphs.push(StepGraph {
                 cap,
                 buffers,
-                meta,
                 replay,
             });
         }
@@ -519,13 +521,16 @@ impl StepGraphs {
     }
 
     /// The padded forward over a graph's buffers: logits `[S, V]` (f32) of its sample rows.
-    fn forward(&self, buffers: &Buffers, meta: &AttentionMetadata) -> Tensor<2> {
+    /// The inputs' views are taken here, inside the captured run.
+    fn forward(&self, buffers: &Buffers, cap: Capacity) -> Tensor<2> {
+        let (width, bs, rows) = (self.width, self.block_size, self.tile_rows);
+        let meta = buffers.metadata(cap, width, bs, rows, self.max_model_len);
         let mut cache = self.cache.lock().expect("KV cache lock");
         self.model.forward(
-            buffers.ids.clone(),
-            meta,
+            buffers.part(IDS),
+            &meta,
             &mut cache,
-            LogitsRows::Rows(Box::new(buffers.sample_rows.clone())),
+            LogitsRows::Rows(Box::new(buffers.part(SAMPLE_ROWS))),
         )
     }
 
@@ -569,7 +574,7 @@ impl StepGraphs {
         };
         let built = Instant::now();
         let n = inputs.num_samples;
-        self.graphs[i].buffers.write(inputs)?;
+        self.graphs[i].buffers.write(&inputs)?;
         let written = Instant::now();
         let g = &self.graphs[i];
         let logits = match &g.replay {
@@ -584,7 +589,7 @@ impl StepGraphs {
                     .map_err(|e| EngineError::Device(format!("step graph replay: {e:?}")))?;
                 logits.clone()
             }
-            Replay::Eager => self.forward(&g.buffers, &g.meta),
+            Replay::Eager => self.forward(&g.buffers, g.cap),
         };
         let t = &mut self.timings;
         t.build += built - start;

@@ -11,7 +11,8 @@
 #   3. the eager step's host profile (`--enforce-eager --host-profile`, ±90 %, 300 requests), and
 #      eager steps with CUDA's stream-ordered allocator (`alloc`);
 #   4. the shape sweep under compute-sanitizer (`sanitize`);
-#   5. the same requests offline and through the server, in process and over HTTP (`serve`).
+#   5. the same requests offline and through the server, in process and over HTTP (`serve`);
+#   6. where a replayed decode step's host time goes: bench.py with `--host-profile` (`replay`).
 # SECTIONS (default "tests bench profile") picks which to run. Logs go to $OUT.
 set -uo pipefail
 cd "$(dirname "$0")/../.."
@@ -92,4 +93,9 @@ if [[ " $SECTIONS " == *" profile "* && -x $B ]]; then
   timeout 200 $B throughput --device cuda --num-prompts 300 --input-len 528 --output-len 136 \
     --random-range-ratio 0.9 --enforce-eager --host-profile --out "$OUT/tp-eager-profile.json" 2>&1 \
     | tee "$OUT/tp-eager-profile.log" | quiet | tail -150
+fi
+if [[ " $SECTIONS " == *" replay "* && -x $B ]]; then
+  echo "== bench.py (graph-replayed decode steps), host profile"
+  timeout 200 $B nano --device cuda --host-profile --out "$OUT/nano-profile.json" 2>&1 \
+    | tee "$OUT/nano-profile.log" | quiet | tail -150
 fi

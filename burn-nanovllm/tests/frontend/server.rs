@@ -118,8 +118,13 @@ async fn engine_text(prompt: Prompt, max_tokens: usize) -> String {
 }
 
 async fn post(s: &TestServer, path: &str, body: &str, key: Option<&str>) -> reqwest::Response {
+    post_at(&s.base, path, body, key).await
+}
+
+/// `post` by the server's base URL (for spawned tasks).
+async fn post_at(base: &str, path: &str, body: &str, key: Option<&str>) -> reqwest::Response {
     let mut req = reqwest::Client::new()
-        .post(format!("{}{path}", s.base))
+        .post(format!("{base}{path}"))
         .header("content-type", "application/json")
         .body(body.to_string());
     if let Some(k) = key {
@@ -223,13 +228,7 @@ async fn concurrent_requests_equal_their_solo_outputs() {
         .map(|i| {
             let (base, b) = (s.base.clone(), body(i));
             tokio::spawn(async move {
-                let r = reqwest::Client::new()
-                    .post(format!("{base}/v1/completions"))
-                    .bearer_auth(KEY)
-                    .body(b)
-                    .send()
-                    .await
-                    .unwrap();
+                let r = post_at(&base, "/v1/completions", &b, Some(KEY)).await;
                 assert_eq!(r.status(), 200);
                 r.json::<Value>().await.unwrap()
             })
@@ -279,43 +278,26 @@ async fn bad_requests_get_openai_errors_and_the_server_stays_healthy() {
     let long: Vec<u32> = (0..300).map(|i| 100 + i).collect();
     // (body, path, API key, expected status, expected `param`)
     type Case<'a> = (String, &'a str, Option<&'a str>, u16, Option<&'a str>);
+    // A completion refused with 400 naming `param`.
+    let refused = |body: &str, param: &'static str| -> Case {
+        (body.into(), "/v1/completions", Some(KEY), 400, Some(param))
+    };
+    let chat_refused = |body: &str, param: &'static str| -> Case {
+        (
+            body.into(),
+            "/v1/chat/completions",
+            Some(KEY),
+            400,
+            Some(param),
+        )
+    };
     let cases: Vec<Case> = vec![
         ("{not json".into(), "/v1/completions", Some(KEY), 400, None),
-        (
-            r#"{"prompt": "Hi", "max_tokens": "many"}"#.into(),
-            "/v1/completions",
-            Some(KEY),
-            400,
-            Some("max_tokens"),
-        ),
-        (
-            r#"{"prompt": "Hi", "max_tokens": -4}"#.into(),
-            "/v1/completions",
-            Some(KEY),
-            400,
-            Some("max_tokens"),
-        ),
-        (
-            r#"{"prompt": "Hi", "temperature": -1}"#.into(),
-            "/v1/completions",
-            Some(KEY),
-            400,
-            Some("temperature"),
-        ),
-        (
-            r#"{"prompt": "Hi", "n": 3}"#.into(),
-            "/v1/completions",
-            Some(KEY),
-            400,
-            Some("n"),
-        ),
-        (
-            json!({"prompt": long}).to_string(),
-            "/v1/completions",
-            Some(KEY),
-            400,
-            Some("prompt"),
-        ),
+        refused(r#"{"prompt": "Hi", "max_tokens": "many"}"#, "max_tokens"),
+        refused(r#"{"prompt": "Hi", "max_tokens": -4}"#, "max_tokens"),
+        refused(r#"{"prompt": "Hi", "temperature": -1}"#, "temperature"),
+        refused(r#"{"prompt": "Hi", "n": 3}"#, "n"),
+        refused(&json!({"prompt": long}).to_string(), "prompt"),
         (
             r#"{"prompt": "Hi", "model": "gpt-9"}"#.into(),
             "/v1/completions",
@@ -323,51 +305,30 @@ async fn bad_requests_get_openai_errors_and_the_server_stays_healthy() {
             404,
             Some("model"),
         ),
-        (
-            r#"{"messages": []}"#.into(),
-            "/v1/chat/completions",
-            Some(KEY),
-            400,
-            Some("messages"),
-        ),
-        (
-            r#"{"messages": [{"role": "wizard", "content": "x"}]}"#.into(),
-            "/v1/chat/completions",
-            Some(KEY),
-            400,
-            Some("messages[0].role"),
+        chat_refused(r#"{"messages": []}"#, "messages"),
+        chat_refused(
+            r#"{"messages": [{"role": "wizard", "content": "x"}]}"#,
+            "messages[0].role",
         ),
         (ok.clone(), "/v1/completions", None, 401, None),
         (ok.clone(), "/v1/completions", Some("sk-wrong"), 401, None),
-        // Past the context (max_model_len = 256) with the prompt: vLLM's 400.
-        (
-            r#"{"prompt": "Hi", "max_tokens": 2147483648}"#.into(),
-            "/v1/completions",
-            Some(KEY),
-            400,
-            Some("max_tokens"),
+        // Past the context (max_model_len = 256) with the prompt: vLLM's 400; past i64: a type
+        // error naming the field.
+        refused(
+            r#"{"prompt": "Hi", "max_tokens": 2147483648}"#,
+            "max_tokens",
         ),
-        (
-            r#"{"prompt": "Hi", "max_tokens": 9223372036854775807}"#.into(),
-            "/v1/completions",
-            Some(KEY),
-            400,
-            Some("max_tokens"),
+        refused(
+            r#"{"prompt": "Hi", "max_tokens": 9223372036854775807}"#,
+            "max_tokens",
         ),
-        (
-            r#"{"messages": [{"role": "user", "content": "Hi"}], "max_completion_tokens": 255}"#
-                .into(),
-            "/v1/chat/completions",
-            Some(KEY),
-            400,
-            Some("max_tokens"),
+        chat_refused(
+            r#"{"messages": [{"role": "user", "content": "Hi"}], "max_completion_tokens": 255}"#,
+            "max_tokens",
         ),
-        (
-            r#"{"prompt": "Hi", "max_tokens": 18446744073709551616}"#.into(),
-            "/v1/completions",
-            Some(KEY),
-            400,
-            Some("max_tokens"),
+        refused(
+            r#"{"prompt": "Hi", "max_tokens": 18446744073709551616}"#,
+            "max_tokens",
         ),
     ];
     for (body, path, key, status, param) in cases {
@@ -566,13 +527,7 @@ async fn a_failed_device_fails_every_request_and_stops_the_server() {
         .map(|i| {
             let (base, b) = (s.base.clone(), body(i, i % 3 == 0));
             tokio::spawn(async move {
-                let r = reqwest::Client::new()
-                    .post(format!("{base}/v1/completions"))
-                    .bearer_auth(KEY)
-                    .body(b)
-                    .send()
-                    .await
-                    .unwrap();
+                let r = post_at(&base, "/v1/completions", &b, Some(KEY)).await;
                 (r.status().as_u16(), r.text().await.unwrap())
             })
         })
