@@ -35,7 +35,9 @@
 //! | [`linear_add`] | `x [M, K]`, `W [N, K]`, `b [N]`, `residual [M, N]` → `x·Wᵀ + b + residual` |
 //! | [`paged_attention`] | `q [T, heads, d]` over each sequence's cached context → `[T, heads, d]` |
 //! | [`sample`] | `logits [B, V]` (f32) → next tokens `[B]` (greedy, or seeded min-p/top-k/top-p draws) |
+//! | [`sample_into`] | as [`sample`], into the first `B` slots of an existing `i32` buffer, in place (the next step's graph reads them) |
 //! | [`write_ints`] | host `i32` values into a span of an existing device buffer, in place (graph inputs) |
+//! | [`read_ints_async`] | starts copying an `i32` buffer to the host behind the work that writes it; wait later |
 
 #![warn(missing_docs)]
 
@@ -44,6 +46,7 @@ pub mod attention;
 mod cpu_builtins;
 mod device;
 mod device_caps;
+mod device_read;
 mod error;
 mod host_write;
 mod knobs;
@@ -60,6 +63,7 @@ pub use attention::{
 #[cfg(feature = "cpu")]
 pub use cpu_builtins::load as load_cpu_builtins;
 pub use device::DeviceKind;
+pub use device_read::{PendingInts, ReadSlot, read_ints_async};
 pub use error::KernelError;
 pub use host_write::write_ints;
 pub use rms_norm_linear::{
@@ -69,7 +73,7 @@ pub use rms_norm_linear::{
 #[cfg(feature = "cuda")]
 pub use rms_norm_linear::{cublas_stream_ordered, cublas_unavailable_reason};
 pub use row_scale::{RowScale, fold_norm_gain};
-pub use sampling::{SamplingRow, sample};
+pub use sampling::{SamplingRow, sample, sample_into};
 pub use silu_mul::silu_mul;
 
 use burn::backend::DispatchDevice;

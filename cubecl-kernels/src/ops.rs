@@ -13,6 +13,7 @@ use burn_cubecl::CubeBackend;
 use burn_cubecl::kernel::into_contiguous;
 
 use crate::attention::{AttentionLaunch, QkvLayout, decode, prefill, store_kv};
+use crate::device_read::{self, ReadSlot};
 use crate::host_write;
 use crate::rms_norm_linear::launch as linear_launch;
 use crate::sampling;
@@ -130,6 +131,23 @@ pub trait KernelOps: Backend {
         params_f: FloatTensor<Self>,
         params_u: IntTensor<Self>,
     ) -> IntTensor<Self>;
+
+    /// [`KernelOps::sample`] writing its `[B]` tokens into `out[..B]` (`out [n ≥ B]` i32,
+    /// contiguous) in place, and returning `out`: the buffer keeps its address, so a captured
+    /// graph that reads it sees them.
+    #[fusion(meta = sample_into_meta)]
+    fn sample_into(
+        logits: FloatTensor<Self>,
+        params_f: FloatTensor<Self>,
+        params_u: IntTensor<Self>,
+        out: IntTensor<Self>,
+    ) -> IntTensor<Self>;
+
+    /// Starts copying `src` (`[n]` i32, contiguous) to the host: the copy is enqueued on the
+    /// device's stream when the op runs and its future left in `read` (see
+    /// [`crate::read_ints_async`]). Returns `src`.
+    #[fusion(meta = read_ints_meta)]
+    fn read_ints(src: IntTensor<Self>, read: ReadSlot) -> IntTensor<Self>;
 }
 
 #[allow(clippy::too_many_arguments)]
@@ -188,6 +206,19 @@ fn paged_attention_meta(
 
 fn write_ints_meta(dst: &TensorSpec, _values: &HostInts) -> TensorSpec {
     dst.clone()
+}
+
+fn sample_into_meta(
+    _logits: &TensorSpec,
+    _params_f: &TensorSpec,
+    _params_u: &TensorSpec,
+    out: &TensorSpec,
+) -> TensorSpec {
+    out.clone()
+}
+
+fn read_ints_meta(src: &TensorSpec, _read: &ReadSlot) -> TensorSpec {
+    src.clone()
 }
 
 fn sample_meta(logits: &TensorSpec, _params_f: &TensorSpec, _params_u: &TensorSpec) -> TensorSpec {
@@ -334,6 +365,20 @@ impl KernelOps for CubeBackend {
         params_f: FloatTensor<Self>,
         params_u: IntTensor<Self>,
     ) -> IntTensor<Self> {
-        sampling::launch::sample(logits, params_f, params_u)
+        sampling::launch::sample(logits, params_f, params_u, None)
+    }
+
+    fn sample_into(
+        logits: FloatTensor<Self>,
+        params_f: FloatTensor<Self>,
+        params_u: IntTensor<Self>,
+        out: IntTensor<Self>,
+    ) -> IntTensor<Self> {
+        sampling::launch::sample(logits, params_f, params_u, Some(out))
+    }
+
+    fn read_ints(src: IntTensor<Self>, read: ReadSlot) -> IntTensor<Self> {
+        device_read::start_cube(&src, &read);
+        src
     }
 }

@@ -45,6 +45,12 @@ pub struct EngineConfig {
     pub seed: u64,
     /// Keep a [`crate::StepRecord`] of every step (benchmarks, profiling).
     pub record_steps: bool,
+    /// Overlapped (asynchronous) scheduling, vLLM V1's: a step is scheduled, built and
+    /// enqueued while the previous one runs on the device; its decode rows take the tokens
+    /// the previous step drew on the device, and stop conditions, text and outputs follow one
+    /// step behind. `None`: on for CUDA, off elsewhere; `Some(false)`: synchronous steps
+    /// (debugging).
+    pub async_scheduling: Option<bool>,
 }
 
 impl Default for EngineConfig {
@@ -65,6 +71,7 @@ impl Default for EngineConfig {
             enable_prefix_caching: true,
             seed: 0,
             record_steps: false,
+            async_scheduling: None,
         }
     }
 }
@@ -76,6 +83,12 @@ impl EngineConfig {
             DeviceKind::Cuda(_) => DType::BF16,
             _ => DType::F32,
         })
+    }
+
+    /// True if steps overlap ([`EngineConfig::async_scheduling`]).
+    pub fn overlap(&self) -> bool {
+        self.async_scheduling
+            .unwrap_or(matches!(self.device, DeviceKind::Cuda(_)))
     }
 
     /// The step-graph token counts: none with `enforce_eager`, none off CUDA unless

@@ -5,7 +5,9 @@
 //! `min(T, max_num_seqs)` decode rows, up to `min(T / 2, max_num_seqs)` prefill chunks (a chunk
 //! has two tokens or more: a one-token chunk is a decode row) and up to `min(T, max_num_seqs)`
 //! rows that sample. Its inputs are stable device buffers (`i32`), rewritten before each
-//! replay: token ids, positions and cache slots `[T]`; the decode rows' block tables
+//! replay: token ids, positions and cache slots `[T]`, the draw rows `[T]` (where a token row
+//! takes the previous step's draw instead of its host id, [`crate::step`]); the decode rows'
+//! block tables
 //! `[D · width]` and contexts `[D]`; the prefill chunks' block tables `[P · width]`, contexts
 //! `[P]`, row offsets `[P + 1]` and query tiles `[tiles · 2]`; the sampled rows `[S]`. Token rows
 //! are the step's decode rows, then its prefill chunks, then padding; `width =
@@ -35,7 +37,7 @@ use cubecl_kernels::{
 use model_qwen2::{KvCache, LogitsRows, Qwen2Model};
 
 use crate::error::{EngineError, Result};
-use crate::model_runner::StepSeq;
+use crate::step::{StepSeq, feed_draws};
 
 /// What one graph holds.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -96,21 +98,25 @@ impl Capacity {
 }
 
 /// Indices of the inputs in [`StepInputs::parts`].
-const IDS: usize = 0;
-const POSITIONS: usize = 1;
-const SLOTS: usize = 2;
-const DECODE_CONTEXT: usize = 3;
-const SAMPLE_ROWS: usize = 4;
-const PREFILL_CONTEXT: usize = 5;
-const CU_SEQLENS: usize = 6;
-const TILES: usize = 7;
-const DECODE_TABLES: usize = 8;
-const PREFILL_TABLES: usize = 9;
+const POSITIONS: usize = 0;
+const SLOTS: usize = 1;
+const DECODE_CONTEXT: usize = 2;
+const IDS: usize = 3;
+const DRAW_ROWS: usize = 4;
+const SAMPLE_ROWS: usize = 5;
+const PREFILL_CONTEXT: usize = 6;
+const CU_SEQLENS: usize = 7;
+const TILES: usize = 8;
+const DECODE_TABLES: usize = 9;
+const PREFILL_TABLES: usize = 10;
+const NUM_PARTS: usize = 11;
 
 /// The host values of a graph's input buffers for one step (see the module doc).
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub(crate) struct StepInputs {
     pub ids: Vec<i32>,
+    /// Per token row, the row of the previous step's draws that supplies its id, or −1.
+    pub draw_rows: Vec<i32>,
     pub positions: Vec<i32>,
     pub slots: Vec<i32>,
     pub decode_tables: Vec<i32>,
@@ -125,13 +131,16 @@ pub(crate) struct StepInputs {
 }
 
 impl StepInputs {
-    /// The inputs, in [`Buffers`]' order: those a decode step changes first.
-    fn parts(&self) -> [&[i32]; 10] {
+    /// The inputs, in [`Buffers`]' order: those every decode step changes first (positions,
+    /// slots, contexts), then the ids (a decode step with overlapped scheduling takes them all
+    /// from the draws, leaving the host ids and draw rows as they were).
+    fn parts(&self) -> [&[i32]; NUM_PARTS] {
         [
-            &self.ids,
             &self.positions,
             &self.slots,
             &self.decode_context,
+            &self.ids,
+            &self.draw_rows,
             &self.sample_rows,
             &self.prefill_context,
             &self.cu_seqlens,
@@ -169,6 +178,7 @@ impl StepInputs {
         }
         let mut x = Self {
             ids: vec![0; cap.tokens],
+            draw_rows: vec![-1; cap.tokens],
             positions: vec![0; cap.tokens],
             slots: vec![-1; cap.tokens],
             decode_tables: vec![0; cap.decodes * width],
@@ -189,12 +199,15 @@ impl StepInputs {
                 )));
             }
             let start = s.num_computed_tokens;
-            for p in start..start + s.num_new_tokens {
-                x.ids[row] = s.token_ids[p] as i32;
+            for (p, id) in (start..start + s.num_new_tokens).zip(s.new_ids()) {
+                x.ids[row] = id as i32;
                 x.positions[row] = p as i32;
                 x.slots[row] =
                     (s.block_table[p / block_size] as usize * block_size + p % block_size) as i32;
                 row += 1;
+            }
+            if let Some(r) = s.pending_row {
+                x.draw_rows[row - 1] = r as i32;
             }
             if s.samples {
                 x.sample_rows[sample] = row as i32 - 1;
@@ -235,7 +248,7 @@ const PART_ALIGN: usize = 128;
 struct Buffers {
     all: Tensor<1, Int>,
     /// Each input's range in `all`.
-    ranges: [Range<usize>; 10],
+    ranges: [Range<usize>; NUM_PARTS],
     /// What `all` holds, on the host.
     mirror: Vec<i32>,
 }
@@ -431,6 +444,7 @@ impl StepGraphs {
         max_model_len: usize,
         emulate: bool,
         cuda_index: Option<usize>,
+        draws: &Tensor<1, Int>,
     ) -> Result<Self> {
         let block_size = cache.lock().expect("KV cache lock").block_size();
         let width = max_model_len.div_ceil(block_size);
@@ -484,7 +498,7 @@ impl StepGraphs {
             } else {
                 let before = cuda_index.and_then(crate::memory::cuda_memory);
                 let start = Instant::now();
-                let captured = capture(device, || this.forward(&buffers, cap));
+                let captured = capture(device, || this.forward(&buffers, cap, draws));
                 let after = cuda_index.and_then(crate::memory::cuda_memory);
                 match captured {
                     Ok((graph, logits)) => {
@@ -521,13 +535,15 @@ impl StepGraphs {
     }
 
     /// The padded forward over a graph's buffers: logits `[S, V]` (f32) of its sample rows.
-    /// The inputs' views are taken here, inside the captured run.
-    fn forward(&self, buffers: &Buffers, cap: Capacity) -> Tensor<2> {
+    /// The inputs' views are taken here, inside the captured run; rows with a draw row take
+    /// their token from `draws` (the runner's standing buffer).
+    fn forward(&self, buffers: &Buffers, cap: Capacity, draws: &Tensor<1, Int>) -> Tensor<2> {
         let (width, bs, rows) = (self.width, self.block_size, self.tile_rows);
         let meta = buffers.metadata(cap, width, bs, rows, self.max_model_len);
+        let ids = feed_draws(buffers.part(IDS), buffers.part(DRAW_ROWS), draws.clone());
         let mut cache = self.cache.lock().expect("KV cache lock");
         self.model.forward(
-            buffers.part(IDS),
+            ids,
             &meta,
             &mut cache,
             LogitsRows::Rows(Box::new(buffers.part(SAMPLE_ROWS))),
@@ -558,8 +574,13 @@ impl StepGraphs {
 
     /// Runs the step `seqs` (decode rows first) through the smallest graph that holds it;
     /// returns the logits `[rows that sample, V]` (f32; all `S` rows, padding included, when
-    /// none samples), or `None` when no graph holds it.
-    pub(crate) fn run(&mut self, seqs: &[StepSeq<'_>]) -> Result<Option<Tensor<2>>> {
+    /// none samples), or `None` when no graph holds it. `draws` is the runner's standing buffer
+    /// of the last step's tokens (a captured graph reads it by address).
+    pub(crate) fn run(
+        &mut self,
+        seqs: &[StepSeq<'_>],
+        draws: &Tensor<1, Int>,
+    ) -> Result<Option<Tensor<2>>> {
         let start = Instant::now();
         let (width, bs, rows) = (self.width, self.block_size, self.tile_rows);
         let mut found = None;
@@ -581,15 +602,16 @@ impl StepGraphs {
             Replay::Captured(captured) => {
                 let (graph, logits) = &**captured;
                 // SAFETY: the graph reads the buffers just written and the metadata views of
-                // them (kept alive with it), the model's weights and the KV cache (kept alive
-                // by `self`), and writes its pinned intermediates and output; everything runs
-                // on the one device stream, and the logits are read (by the sampler) before
-                // the next replay.
+                // them (kept alive with it), the runner's draws buffer (written in place, kept
+                // alive by the runner, which owns these graphs), the model's weights and the
+                // KV cache (kept alive by `self`), and writes its pinned intermediates and
+                // output; everything runs on the one device stream, and the logits are read
+                // (by the sampler, enqueued next) before the next replay.
                 unsafe { Dispatch::graph_replay(self.device.as_dispatch(), graph) }
                     .map_err(|e| EngineError::Device(format!("step graph replay: {e:?}")))?;
                 logits.clone()
             }
-            Replay::Eager => self.forward(&g.buffers, g.cap),
+            Replay::Eager => self.forward(&g.buffers, g.cap, draws),
         };
         let t = &mut self.timings;
         t.build += built - start;

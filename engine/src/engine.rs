@@ -1,12 +1,18 @@
 //! `LLMEngine`: the generation loop. `add_request` queues a prompt, `step` runs one scheduled
 //! batch (mixed decode rows and prefill chunks) and returns each request's new tokens, `abort`
 //! drops a request. Everything that generates text in this workspace goes through `step`.
+//!
+//! With overlapped scheduling ([`EngineConfig::async_scheduling`]) a step enqueues its batch
+//! and then finishes the previous one, whose draws are on their way back meanwhile: the new
+//! batch's decode rows take those tokens on the device (a placeholder stands in the sequence
+//! until they arrive), and stop conditions, text and outputs follow one step behind. A token
+//! drawn after its request stopped (or was aborted) is dropped, never emitted.
 
 use std::collections::HashMap;
 use std::panic::AssertUnwindSafe;
 use std::path::Path;
 use std::sync::Arc;
-use std::time::Instant;
+use std::time::{Duration, Instant};
 
 use burn::tensor::{DType, Device, Int, Tensor, TensorData};
 use cubecl_kernels::{AttentionMetadata, DeviceKind};
@@ -18,12 +24,13 @@ use crate::config::EngineConfig;
 use crate::detokenizer::Detokenizer;
 use crate::error::{EngineError, Result};
 use crate::memory;
-use crate::model_runner::{FaultHook, ModelRunner, StepSeq};
+use crate::model_runner::{FaultHook, ModelRunner};
 use crate::output::{EngineStats, RequestMetrics, RequestOutput, StepRecord};
 use crate::sampler::{self, SamplerRow};
 use crate::sampling_params::SamplingParams;
 use crate::scheduler::{Scheduler, SchedulerLimits, SchedulerOutput};
 use crate::sequence::{FinishReason, RequestId, Sequence};
+use crate::step::StepSeq;
 
 /// The engine's resolved limits.
 #[derive(Clone, Debug, PartialEq)]
@@ -62,18 +69,29 @@ pub struct LLMEngine {
     stats: EngineStats,
     records: Vec<StepRecord>,
     failure: Option<String>,
+    /// The step enqueued last, whose draws are not processed yet (overlapped scheduling).
+    in_flight: Option<InFlight>,
+    /// Time the current step spent waiting for draws.
+    waited: Duration,
 }
 
-/// What the model part of a step produced.
+/// A step enqueued on the device whose draws the host has not processed yet.
+struct InFlight {
+    /// The requests whose rows sampled, in row order, with the position of the drawn token.
+    rows: Vec<(RequestId, usize)>,
+    /// Each of those requests' row.
+    row_of: HashMap<RequestId, usize>,
+    /// The draws, on their way back.
+    draws: sampler::Draws,
+}
+
+/// What the model part of a step enqueued.
 struct ModelRun {
-    /// The requests whose rows sampled, in row order.
-    sampled_ids: Vec<RequestId>,
-    /// Their draws.
-    sampled: Vec<sampler::Sampled>,
+    /// The step's draws, still on the device.
+    in_flight: InFlight,
     /// The forward replayed a step graph.
     graph: bool,
     forwarded_at: Instant,
-    sample_start: Instant,
 }
 
 impl LLMEngine {
@@ -201,6 +219,8 @@ impl LLMEngine {
             stats: EngineStats::default(),
             records: Vec::new(),
             failure: None,
+            in_flight: None,
+            waited: Duration::ZERO,
         })
     }
 
@@ -293,7 +313,7 @@ impl LLMEngine {
 
     /// True while any request is unfinished (or an output is pending).
     pub fn has_unfinished(&self) -> bool {
-        self.scheduler.has_unfinished() || !self.pending.is_empty()
+        self.scheduler.has_unfinished() || !self.pending.is_empty() || self.in_flight.is_some()
     }
 
     /// Text of `prompt` as token ids.
@@ -406,18 +426,30 @@ impl LLMEngine {
 
     /// Runs one step: schedules, runs the model, samples, applies stop conditions. Returns an
     /// output for every request that got a token, finished, failed or was aborted since the
-    /// last step. An error is [`EngineError::DeviceFailed`]: the forward or the sampling failed
-    /// (or panicked), every running and waiting request has ended with it, and the engine takes
-    /// no more work.
+    /// last step; with overlapped scheduling the tokens are those of the step before (the one
+    /// enqueued here is finished by the next call, or by this one when nothing is left to
+    /// schedule). An error is [`EngineError::DeviceFailed`]: the forward or the sampling
+    /// failed (or panicked), every running and waiting request has ended with it, and the
+    /// engine takes no more work.
     pub fn step(&mut self) -> Result<Vec<RequestOutput>> {
         self.check_alive()?;
         let start = Instant::now();
         let mut outputs = std::mem::take(&mut self.pending);
+        // Penalties count the tokens drawn so far: their rows need the last one on the host.
+        if self
+            .in_flight
+            .as_ref()
+            .is_some_and(|f| f.rows.iter().any(|&(id, _)| self.needs_host_tokens(id)))
+        {
+            outputs.extend(self.finish_in_flight()?);
+        }
         let sched = self.scheduler.schedule();
         for &id in &sched.failed {
             outputs.extend(self.finished_output(id, Vec::new(), Vec::new()));
         }
         if sched.is_empty() {
+            // Nothing to overlap with: finish the step in flight.
+            outputs.extend(self.finish_in_flight()?);
             self.stats.host_time += start.elapsed();
             self.stats.step_time += start.elapsed();
             return Ok(outputs);
@@ -427,18 +459,15 @@ impl LLMEngine {
         // every request and the engine. A panicking backend counts as such a failure.
         let run = std::panic::catch_unwind(AssertUnwindSafe(|| self.run_model(&sched)));
         let ModelRun {
-            sampled_ids,
-            sampled,
+            in_flight,
             graph,
             forwarded_at,
-            sample_start,
         } = match run {
             Ok(Ok(run)) => run,
             Ok(Err(e)) => return Err(self.fail(e.to_string())),
             Err(panic) => return Err(self.fail(panic_message(panic.as_ref()))),
         };
-        let ran_at = Instant::now();
-        self.stats.sample_time += ran_at - sample_start;
+        let enqueued_at = Instant::now();
         let mut prefill = false;
         for s in &sched.seqs {
             if s.num_new_tokens > 1 || !s.samples || self.is_prompt_token(s.id) {
@@ -447,18 +476,31 @@ impl LLMEngine {
             } else {
                 self.stats.decode_tokens += 1;
             }
+        }
+        self.hold_places(&in_flight);
+        // Finish the previous step (its draws were copied behind it, while this one was
+        // being built), then record what this one computes: every token it computes is known
+        // on the host by now, so the prefix cache hashes real tokens only.
+        let previous = self.in_flight.replace(in_flight);
+        self.waited = Duration::ZERO;
+        if let Some(previous) = previous {
+            outputs.extend(self.finish(previous)?);
+        }
+        for s in &sched.seqs {
             self.scheduler.on_computed(s);
         }
-        for (id, sample) in sampled_ids.into_iter().zip(sampled) {
-            outputs.extend(self.append_token(id, sample.token_id, sample.logprobs)?);
+        if !self.config.overlap() {
+            outputs.extend(self.finish_in_flight()?);
         }
+        let waited = self.waited;
+        let end = Instant::now();
+        self.stats.sample_time += (enqueued_at - forwarded_at) + waited;
         self.stats.steps += 1;
         self.stats.generated_tokens += outputs
             .iter()
             .map(|o| o.new_token_ids.len() as u64)
             .sum::<u64>();
-        let end = Instant::now();
-        self.stats.host_time += (scheduled_at - start) + (end - ran_at);
+        self.stats.host_time += (scheduled_at - start) + (end - enqueued_at) - waited;
         self.stats.step_time += end - start;
         if prefill {
             self.stats.prefill_steps += 1;
@@ -474,48 +516,118 @@ impl LLMEngine {
                 graph,
                 schedule: scheduled_at - start,
                 forward: forwarded_at - scheduled_at,
-                sample: ran_at - sample_start,
-                post: end - ran_at,
+                sample: enqueued_at - forwarded_at,
+                wait: waited,
+                post: end - enqueued_at - waited,
             });
         }
         Ok(outputs)
     }
 
-    /// The step's forward pass and sampling.
+    /// True if `id`'s penalties need its drawn tokens on the host.
+    fn needs_host_tokens(&self, id: RequestId) -> bool {
+        self.scheduler.get(id).is_some_and(|s| {
+            let p = &s.params;
+            p.repetition_penalty != 1.0 || p.presence_penalty != 0.0 || p.frequency_penalty != 0.0
+        })
+    }
+
+    /// Places the step's draws in their sequences as placeholders (the next step reads them
+    /// on the device); a sequence whose placeholder is its last token is scheduled no more.
+    fn hold_places(&mut self, in_flight: &InFlight) {
+        let max_model_len = self.limits.max_model_len;
+        for &(id, _) in &in_flight.rows {
+            let seq = self.scheduler.get_mut(id).expect("sampled sequence");
+            seq.token_ids.push(0);
+            seq.num_pending_tokens += 1;
+            seq.final_token_pending = seq.num_output_tokens() >= seq.params.max_tokens
+                || seq.num_tokens() >= max_model_len;
+        }
+    }
+
+    /// Finishes the step in flight, if any: its outputs.
+    fn finish_in_flight(&mut self) -> Result<Vec<RequestOutput>> {
+        match self.in_flight.take() {
+            Some(step) => self.finish(step),
+            None => Ok(Vec::new()),
+        }
+    }
+
+    /// Waits for a step's draws and applies them: each replaces its placeholder and goes
+    /// through the stop conditions. Draws of requests that ended meanwhile are dropped.
+    fn finish(&mut self, step: InFlight) -> Result<Vec<RequestOutput>> {
+        let wait_start = Instant::now();
+        let sampled = std::panic::catch_unwind(AssertUnwindSafe(|| step.draws.wait()));
+        self.waited += wait_start.elapsed();
+        let sampled = match sampled {
+            Ok(Ok(sampled)) => sampled,
+            Ok(Err(e)) => return Err(self.fail(e.to_string())),
+            Err(panic) => return Err(self.fail(panic_message(panic.as_ref()))),
+        };
+        let mut outputs = Vec::new();
+        for ((id, position), sample) in step.rows.into_iter().zip(sampled) {
+            let Some(seq) = self.scheduler.get_mut(id) else {
+                continue; // aborted or stopped: its output is out already
+            };
+            if seq.is_finished() {
+                continue;
+            }
+            seq.token_ids[position] = sample.token_id;
+            seq.num_pending_tokens -= 1;
+            outputs.extend(self.accept_token(id, position, sample.logprobs)?);
+        }
+        Ok(outputs)
+    }
+
+    /// The step's forward pass and sampling, enqueued.
     fn run_model(&mut self, sched: &SchedulerOutput) -> Result<ModelRun> {
+        let prev = self.in_flight.as_ref();
         let seqs: Vec<StepSeq<'_>> = sched
             .seqs
             .iter()
             .map(|s| {
                 let seq = self.scheduler.get(s.id).expect("scheduled sequence");
-                StepSeq {
+                let pending_row = match seq.num_pending_tokens {
+                    0 => None,
+                    _ => Some(
+                        *prev
+                            .and_then(|p| p.row_of.get(&s.id))
+                            .ok_or_else(|| {
+                                EngineError::Device(format!(
+                                    "request {} waits for a draw no step made",
+                                    s.id
+                                ))
+                            })?,
+                    ),
+                };
+                Ok(StepSeq {
                     token_ids: &seq.token_ids,
                     num_computed_tokens: seq.num_computed_tokens,
                     num_new_tokens: s.num_new_tokens,
                     block_table: &seq.block_table,
                     samples: s.samples,
-                }
+                    pending_row,
+                })
             })
-            .collect();
+            .collect::<Result<_>>()?;
         let graph_steps = self.runner.stats().graph_steps;
         let logits = self.runner.forward(&seqs)?;
         let forwarded_at = Instant::now();
         let graph = self.runner.stats().graph_steps > graph_steps;
         drop(seqs);
-        let sampled_ids: Vec<RequestId> = sched
+        let rows: Vec<(RequestId, usize)> = sched
             .seqs
             .iter()
             .filter(|s| s.samples)
-            .map(|s| s.id)
+            .map(|s| (s.id, self.scheduler.get(s.id).expect("sampled").num_tokens()))
             .collect();
-        let sample_start = Instant::now();
-        let sampled = match logits {
+        let draws = match logits {
             Some(logits) => {
-                let seqs: Vec<&Sequence> = sampled_ids
+                let seqs: Vec<&Sequence> = rows
                     .iter()
-                    .map(|id| self.scheduler.get(*id).expect("sampled sequence"))
+                    .map(|(id, _)| self.scheduler.get(*id).expect("sampled sequence"))
                     .collect();
-                let rows: Vec<SamplerRow<'_>> = seqs
+                let sampler_rows: Vec<SamplerRow<'_>> = seqs
                     .iter()
                     .map(|seq| SamplerRow {
                         params: &seq.params,
@@ -526,16 +638,19 @@ impl LLMEngine {
                     })
                     .collect();
                 let counters: Vec<u32> = seqs.iter().map(|s| s.num_tokens() as u32).collect();
-                sampler::sample(logits, &rows, &counters)?
+                sampler::sample(logits, &sampler_rows, &counters, self.runner.draws())?
             }
-            None => Vec::new(),
+            None => sampler::Draws::Ready(Vec::new()),
         };
+        let row_of = rows.iter().enumerate().map(|(r, &(id, _))| (id, r)).collect();
         Ok(ModelRun {
-            sampled_ids,
-            sampled,
+            in_flight: InFlight {
+                rows,
+                row_of,
+                draws,
+            },
             graph,
             forwarded_at,
-            sample_start,
         })
     }
 
@@ -548,6 +663,7 @@ impl LLMEngine {
         }
         self.pending.clear();
         self.detokenizers.clear();
+        self.in_flight = None;
         self.failure = Some(cause.clone());
         EngineError::DeviceFailed(cause)
     }
@@ -578,19 +694,20 @@ impl LLMEngine {
         banned
     }
 
-    /// Appends a sampled token and applies the stop conditions.
-    fn append_token(
+    /// Applies the stop conditions to the token drawn at `position` (in place already; later
+    /// entries are placeholders of draws in flight).
+    fn accept_token(
         &mut self,
         id: RequestId,
-        token: u32,
+        position: usize,
         logprobs: Option<sampler::TokenLogprobs>,
     ) -> Result<Option<RequestOutput>> {
         let max_model_len = self.limits.max_model_len;
         let seq = self.scheduler.get_mut(id).expect("sampled sequence");
-        seq.token_ids.push(token);
+        let token = seq.token_ids[position];
         seq.first_token_time.get_or_insert_with(Instant::now);
         let params = seq.params.clone();
-        let n_out = seq.num_output_tokens();
+        let n_out = position + 1 - seq.num_prompt_tokens;
         let may_stop = n_out >= params.min_tokens;
         let mut reason = None;
         if may_stop
@@ -602,13 +719,13 @@ impl LLMEngine {
         if let Some(detok) = self.detokenizers.get_mut(&id) {
             let tokenizer = self.tokenizer.as_ref().ok_or(EngineError::NoTokenizer)?;
             let seq = self.scheduler.get(id).expect("sampled sequence");
-            let stopped = detok.update(tokenizer, seq.output_token_ids(), &params)?;
+            let output = &seq.token_ids[seq.num_prompt_tokens..=position];
+            let stopped = detok.update(tokenizer, output, &params)?;
             if stopped && may_stop && reason.is_none() {
                 reason = Some(FinishReason::Stop);
             }
         }
-        let seq = self.scheduler.get(id).expect("sampled sequence");
-        if reason.is_none() && (n_out >= params.max_tokens || seq.num_tokens() >= max_model_len) {
+        if reason.is_none() && (n_out >= params.max_tokens || position + 1 >= max_model_len) {
             reason = Some(FinishReason::Length);
         }
         let new_text = match (&reason, self.detokenizers.get_mut(&id)) {
@@ -630,7 +747,7 @@ impl LLMEngine {
                     new_logprobs: logprobs,
                     finish_reason: None,
                     num_prompt_tokens: seq.num_prompt_tokens,
-                    num_output_tokens: seq.num_output_tokens(),
+                    num_output_tokens: n_out,
                     num_cached_tokens: seq.num_cached_tokens,
                     metrics: None,
                 }))
@@ -645,7 +762,11 @@ impl LLMEngine {
         new_token_ids: Vec<u32>,
         new_logprobs: Vec<sampler::TokenLogprobs>,
     ) -> Option<RequestOutput> {
-        let seq = self.scheduler.take_finished(id)?;
+        let mut seq = self.scheduler.take_finished(id)?;
+        // Draws still in flight never become its tokens.
+        let kept = seq.num_tokens() - seq.num_pending_tokens;
+        seq.token_ids.truncate(kept);
+        seq.num_pending_tokens = 0;
         let mut new_text = String::new();
         if let Some(mut d) = self.detokenizers.remove(&id) {
             if let Some(tokenizer) = &self.tokenizer {
@@ -869,7 +990,8 @@ fn warm_up_step(
             banned: Vec::new(),
         })
         .collect();
-    sampler::sample(logits, &rows, &vec![0; n])?;
+    let mut draws = Tensor::<1, Int>::from_data(TensorData::new(vec![0i32; n], [n]), (device, DType::I32));
+    sampler::sample(logits, &rows, &vec![0; n], &mut draws)?.wait()?;
     device
         .sync()
         .map_err(|e| EngineError::Device(format!("warm-up forward: {e:?}")))?;

@@ -10,7 +10,8 @@
 //! | [`sequence`] | [`Sequence`]: a request's tokens, computed count and block table |
 //! | [`block_manager`] | [`BlockManager`]: reference-counted KV blocks and the prefix cache |
 //! | [`scheduler`] | [`Scheduler`]: which tokens of which sequences a step computes |
-//! | [`model_runner`] | [`ModelRunner`]: the flattened batch, the forward pass, decode graphs |
+//! | [`step`] | [`StepSeq`]: one sequence's part of a step; tokens fed from the last step's draws |
+//! | [`model_runner`] | [`ModelRunner`]: the flattened batch, the forward pass, step graphs |
 //! | [`sampler`] | penalties, the sampling kernel and log-probabilities |
 //! | [`detokenizer`] | incremental text and stop strings |
 //! | [`engine`] | [`LLMEngine`]: `add_request`, `step`, `abort` |
@@ -30,6 +31,7 @@ pub mod sampler;
 pub mod sampling_params;
 pub mod scheduler;
 pub mod sequence;
+pub mod step;
 
 pub use block_manager::BlockManager;
 pub use config::EngineConfig;
@@ -43,3 +45,4 @@ pub use sampler::TokenLogprobs;
 pub use sampling_params::SamplingParams;
 pub use scheduler::{Scheduler, SchedulerLimits, SchedulerOutput};
 pub use sequence::{FinishReason, RequestId, Sequence};
+pub use step::StepSeq;

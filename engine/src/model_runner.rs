@@ -1,7 +1,9 @@
 //! Runs the model over a scheduled step: builds the flattened batch (token ids, positions,
 //! slots, context lengths, block tables; decode rows first), replays the captured step graph of
 //! the smallest token bucket that holds it (decode and mixed steps alike) or runs the forward
-//! pass eagerly, and returns the logits of the rows that sample.
+//! pass eagerly, and returns the logits of the rows that sample. It holds the standing buffer
+//! the sampler writes each step's tokens into ([`ModelRunner::draws`]), from which the next
+//! step's forward takes the tokens the host has not seen yet ([`crate::step`]).
 
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
@@ -12,21 +14,7 @@ use model_qwen2::{KvCache, LogitsRows, Qwen2Model};
 
 use crate::cuda_graph::{GraphCapture, GraphTimings, StepGraphs};
 use crate::error::{EngineError, Result};
-
-/// One sequence's part of a step, as the runner needs it.
-#[derive(Clone, Copy, Debug)]
-pub struct StepSeq<'a> {
-    /// All its tokens.
-    pub token_ids: &'a [u32],
-    /// Tokens already in the cache; this step computes the next `num_new_tokens`.
-    pub num_computed_tokens: usize,
-    /// Tokens computed in this step.
-    pub num_new_tokens: usize,
-    /// Its blocks (covering every token computed after this step).
-    pub block_table: &'a [u32],
-    /// The step samples its next token.
-    pub samples: bool,
-}
+use crate::step::{StepSeq, feed_draws};
 
 /// Counters of the runner's work.
 #[derive(Clone, Copy, Debug, Default)]
@@ -53,6 +41,8 @@ pub struct ModelRunner {
     device: Device,
     block_size: usize,
     graphs: Option<StepGraphs>,
+    /// The last step's tokens, `[max_num_seqs]` i32 (row `r`: the step's `r`-th sampled row).
+    draws: Tensor<1, Int>,
     stats: RunnerStats,
     forwards: u64,
     fault_hook: Option<FaultHook>,
@@ -75,6 +65,10 @@ impl ModelRunner {
     ) -> Result<Self> {
         let block_size = cache.block_size();
         let cache = Arc::new(Mutex::new(cache));
+        let draws = Tensor::<1, Int>::from_data(
+            TensorData::new(vec![0i32; max_num_seqs], [max_num_seqs]),
+            (&device, DType::I32),
+        );
         let cuda = match device_kind {
             DeviceKind::Cuda(i) => Some(i),
             _ => None,
@@ -89,6 +83,7 @@ impl ModelRunner {
                 max_model_len,
                 emulate_graphs,
                 cuda,
+                &draws,
             )?)
         } else {
             None
@@ -99,6 +94,7 @@ impl ModelRunner {
             device,
             block_size,
             graphs,
+            draws,
             stats: RunnerStats::default(),
             forwards: 0,
             fault_hook: None,
@@ -139,6 +135,12 @@ impl ModelRunner {
             .unwrap_or_default()
     }
 
+    /// The standing buffer of the last step's tokens (`[max_num_seqs]` i32): the sampler writes
+    /// into it in place ([`cubecl_kernels::sample_into`]) and the next forward reads it.
+    pub fn draws(&mut self) -> &mut Tensor<1, Int> {
+        &mut self.draws
+    }
+
     /// Installs a hook that runs before every forward (device-failure injection in tests).
     pub fn set_fault_hook(&mut self, hook: FaultHook) {
         self.fault_hook = Some(hook);
@@ -157,7 +159,8 @@ impl ModelRunner {
     }
 
     /// Runs one step. `seqs` lists the decode rows (one new token each) first, then the
-    /// prefill chunks. Returns the f32 logits `[rows, V]` of the sequences that sample, in
+    /// prefill chunks; a row with [`StepSeq::pending_row`] takes its token from the last
+    /// step's draws. Returns the f32 logits `[rows, V]` of the sequences that sample, in
     /// order, or `None` when none samples.
     pub fn forward(&mut self, seqs: &[StepSeq<'_>]) -> Result<Option<Tensor<2>>> {
         let start = Instant::now();
@@ -167,7 +170,7 @@ impl ModelRunner {
             hook(index).map_err(EngineError::Device)?;
         }
         if let Some(graphs) = self.graphs.as_mut()
-            && let Some(logits) = graphs.run(seqs)?
+            && let Some(logits) = graphs.run(seqs, &self.draws)?
         {
             self.stats.graph_steps += 1;
             self.stats.prepare_time += start.elapsed();
@@ -176,10 +179,13 @@ impl ModelRunner {
         let bs = self.block_size;
         let mut ids = Vec::with_capacity(seqs.iter().map(|s| s.num_new_tokens).sum());
         let mut sample_rows = Vec::new();
+        let mut draw_rows = Vec::new();
         for s in seqs {
-            ids.extend_from_slice(
-                &s.token_ids[s.num_computed_tokens..s.num_computed_tokens + s.num_new_tokens],
-            );
+            ids.extend(s.new_ids());
+            if let Some(r) = s.pending_row {
+                draw_rows.resize(ids.len(), -1);
+                *draw_rows.last_mut().expect("a row") = r as i32;
+            }
             if s.samples {
                 sample_rows.push(ids.len() as i64 - 1);
             }
@@ -193,7 +199,16 @@ impl ModelRunner {
             bs,
             &self.device,
         )?;
-        let input = self.model.input_ids(&ids, &self.device)?;
+        let mut input = self.model.input_ids(&ids, &self.device)?;
+        if !draw_rows.is_empty() {
+            draw_rows.resize(ids.len(), -1);
+            let n = ids.len();
+            let rows = Tensor::<1, Int>::from_data(
+                TensorData::new(draw_rows, [n]),
+                (&self.device, DType::I32),
+            );
+            input = feed_draws(input, rows, self.draws.clone());
+        }
         let mut cache = self.cache.lock().expect("KV cache lock");
         let logits = if sample_rows.is_empty() {
             // Chunks that end inside their prompts: fill the cache, skip the LM head.

@@ -91,8 +91,11 @@ pub struct StepRecord {
     pub schedule: Duration,
     /// Building inputs and enqueueing the forward pass.
     pub forward: Duration,
-    /// Sampling, waiting for the device included.
+    /// Enqueueing the sampling (and, for rows that ask for log-probabilities, waiting for it).
     pub sample: Duration,
+    /// Waiting for the draws of the step before (overlapped scheduling: the device runs this
+    /// step's work meanwhile) or of this one (synchronous steps).
+    pub wait: Duration,
     /// Stop conditions and outputs.
     pub post: Duration,
 }

@@ -2,7 +2,9 @@
 //! one gather/scatter over the affected logits, then the sampling kernel
 //! ([`cubecl_kernels::sample`]: greedy, or a seeded min-p/top-k/top-p draw per row), and
 //! log-probabilities for the rows that ask. Only the sampled ids (and requested log-probs)
-//! come back to the host; the `[rows, V]` logits never do.
+//! come back to the host; the `[rows, V]` logits never do. The ids land in the runner's
+//! standing buffer of draws (the next step's forward reads them there) and come back
+//! asynchronously ([`Draws`]): the engine enqueues the next step before it waits for them.
 
 use std::collections::BTreeMap;
 
@@ -145,13 +147,50 @@ pub fn apply_penalties(logits: Tensor<2>, rows: &[SamplerRow<'_>]) -> Tensor<2> 
         .reshape([s, v])
 }
 
-/// Samples one token per row of `logits [rows, V]` (f32). `counters[r]` is the position of the
-/// token being drawn (it keys the row's random stream).
+/// A step's draws on their way to the host.
+#[derive(Debug)]
+pub enum Draws {
+    /// The ids' copy is enqueued behind the sampling kernel: `n` rows.
+    Copying(cubecl_kernels::PendingInts, usize),
+    /// Read already (rows that asked for log-probabilities need them on the host).
+    Ready(Vec<Sampled>),
+}
+
+impl Draws {
+    /// Waits for the ids (and so for the step that drew them).
+    pub fn wait(self) -> Result<Vec<Sampled>> {
+        match self {
+            Self::Ready(sampled) => Ok(sampled),
+            Self::Copying(pending, n) => {
+                let ids = pending
+                    .wait()
+                    .map_err(|e| EngineError::Device(format!("sampled ids: {e}")))?;
+                Ok(ids[..n]
+                    .iter()
+                    .map(|&t| Sampled {
+                        token_id: t as u32,
+                        logprobs: None,
+                    })
+                    .collect())
+            }
+        }
+    }
+}
+
+/// Samples one token per row of `logits [rows, V]` (f32) into `draws[..rows]` (the runner's
+/// standing `[max_num_seqs]` i32 buffer, in place) and starts reading them back. `counters[r]`
+/// is the position of the token being drawn (it keys the row's random stream). With rows that
+/// ask for log-probabilities, the ids are read (and the log-probabilities computed) now.
 pub fn sample(
     logits: Tensor<2>,
     rows: &[SamplerRow<'_>],
     counters: &[u32],
-) -> Result<Vec<Sampled>> {
+    draws: &mut Tensor<1, Int>,
+) -> Result<Draws> {
+    let n = rows.len();
+    if n == 0 {
+        return Ok(Draws::Ready(Vec::new()));
+    }
     let raw = rows
         .iter()
         .any(|r| r.params.logprobs.is_some())
@@ -169,30 +208,22 @@ pub fn sample(
             counter,
         })
         .collect();
-    let ids = cubecl_kernels::sample(logits, &kernel_rows)?;
-    let ids: Vec<u32> = read(ids.try_into_data(), "sampled ids")?
-        .try_into_vec_as::<i64>()
-        .map_err(|e| EngineError::Device(format!("sampled ids: {e:?}")))?
-        .into_iter()
-        .map(|t| t as u32)
+    cubecl_kernels::sample_into(logits, &kernel_rows, draws)?;
+    let pending = cubecl_kernels::read_ints_async(&draws.clone().slice(0..n))
+        .map_err(|e| EngineError::Device(format!("sampled ids: {e}")))?;
+    let Some(raw) = raw else {
+        return Ok(Draws::Copying(pending, n));
+    };
+    let mut out = Draws::Copying(pending, n).wait()?;
+    let ids: Vec<u32> = out.iter().map(|s| s.token_id).collect();
+    let wanted: Vec<usize> = (0..n)
+        .filter(|&r| rows[r].params.logprobs.is_some())
         .collect();
-    let mut out: Vec<Sampled> = ids
-        .iter()
-        .map(|&token_id| Sampled {
-            token_id,
-            logprobs: None,
-        })
-        .collect();
-    if let Some(raw) = raw {
-        let wanted: Vec<usize> = (0..rows.len())
-            .filter(|&r| rows[r].params.logprobs.is_some())
-            .collect();
-        let all = logprobs(raw, &wanted, rows, &ids)?;
-        for (r, lp) in wanted.into_iter().zip(all) {
-            out[r].logprobs = Some(lp);
-        }
+    let all = logprobs(raw, &wanted, rows, &ids)?;
+    for (r, lp) in wanted.into_iter().zip(all) {
+        out[r].logprobs = Some(lp);
     }
-    Ok(out)
+    Ok(Draws::Ready(out))
 }
 
 /// Log-softmax of the `wanted` rows of the raw logits: the sampled token's value and the top-n.

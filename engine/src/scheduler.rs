@@ -181,7 +181,7 @@ impl Scheduler {
         let num_decoding = self
             .running
             .iter()
-            .filter(|id| self.seqs[id].num_new_tokens() == 1)
+            .filter(|id| self.seqs[id].num_new_tokens() == 1 && !self.seqs[id].final_token_pending)
             .count();
         // Decodes first: the prefill chunks get what the running decodes leave.
         let mut prefill_budget = self.step_budget(num_decoding).saturating_sub(num_decoding);
@@ -189,7 +189,10 @@ impl Scheduler {
         while i < self.running.len() {
             let id = self.running[i];
             let num_new = self.seqs[&id].num_new_tokens();
-            let chunk = if num_new == 1 {
+            // A sequence whose token in flight is its last computes nothing more.
+            let chunk = if self.seqs[&id].final_token_pending {
+                0
+            } else if num_new == 1 {
                 1
             } else if chunks.len() >= self.max_prefill_chunks {
                 0

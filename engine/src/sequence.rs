@@ -83,6 +83,12 @@ pub struct Sequence {
     pub arrival: Instant,
     /// When its first token was sampled.
     pub first_token_time: Option<Instant>,
+    /// Trailing entries of `token_ids` that are placeholders for draws still on the device
+    /// (overlapped scheduling: 0 or 1).
+    pub num_pending_tokens: usize,
+    /// Its pending token will be its last (`max_tokens` or `max_model_len`): the scheduler
+    /// gives it no more tokens.
+    pub final_token_pending: bool,
 }
 
 impl Sequence {
@@ -103,6 +109,8 @@ impl Sequence {
             finish_reason: None,
             arrival: Instant::now(),
             first_token_time: None,
+            num_pending_tokens: 0,
+            final_token_pending: false,
         }
     }
 

@@ -8,6 +8,7 @@ mod engine {
     mod cpu_targets;
     mod default_model;
     mod generation;
+    mod overlap;
     mod sampler;
     mod scheduler;
     mod shape_sweep;

@@ -188,7 +188,11 @@ impl EngineHandle {
         match accepted_rx.await {
             Ok(Ok(id)) => Ok((id, rx)),
             Ok(Err(e)) => Err(e.into()),
-            Err(_) => Err(self.gone()),
+            // The thread ended before taking the command: nobody else frees its place.
+            Err(_) => {
+                self.in_flight.fetch_sub(1, Ordering::AcqRel);
+                Err(self.gone())
+            }
         }
     }
 

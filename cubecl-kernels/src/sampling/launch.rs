@@ -11,8 +11,13 @@ use crate::device_caps::DeviceCaps;
 const MAX_UNITS: usize = 256;
 
 /// Launches [`sample_rows`]: `logits [B, V]` f32, `params_f [B, 4]` f32, `params_u [B, 4]`
-/// u32 → `tokens [B]` i32.
-pub(crate) fn sample(logits: CubeTensor, params_f: CubeTensor, params_u: CubeTensor) -> CubeTensor {
+/// u32 → `tokens [B]` i32, or into `out[..B]` (`out [n ≥ B]` i32, contiguous) in place.
+pub(crate) fn sample(
+    logits: CubeTensor,
+    params_f: CubeTensor,
+    params_u: CubeTensor,
+    out: Option<CubeTensor>,
+) -> CubeTensor {
     let logits = crate::unit_inner_stride(logits);
     let (params_f, params_u) = (
         crate::unit_inner_stride(params_f),
@@ -32,12 +37,26 @@ pub(crate) fn sample(logits: CubeTensor, params_f: CubeTensor, params_u: CubeTen
         params_f.meta.shape()[0],
         params_u.meta.shape()[0]
     );
-    let out = empty_device_dtype(
-        logits.client.clone(),
-        logits.device.clone(),
-        Shape::new([b]),
-        DType::I32,
-    );
+    let out = match out {
+        Some(out) => {
+            assert!(
+                out.dtype == DType::I32
+                    && out.is_contiguous()
+                    && out.meta.shape().num_dims() == 1
+                    && out.meta.shape()[0] >= b,
+                "sample: the output must be a contiguous [n >= {b}] i32 buffer (got {:?} {:?})",
+                out.meta.shape(),
+                out.dtype
+            );
+            out
+        }
+        None => empty_device_dtype(
+            logits.client.clone(),
+            logits.device.clone(),
+            Shape::new([b]),
+            DType::I32,
+        ),
+    };
     if b == 0 {
         return out;
     }
@@ -52,7 +71,7 @@ pub(crate) fn sample(logits: CubeTensor, params_f: CubeTensor, params_u: CubeTen
         use_plane: caps.plane_ops,
     };
     // SAFETY: every index is below the row's vocabulary (`logits.shape(1)`), the parameter rows
-    // were checked above, and the output has one slot per cube.
+    // were checked above, and the output has a slot for every cube (`b` cubes, `n ≥ b` slots).
     let client = logits.client.clone();
     unsafe {
         sample_rows::launch_unchecked(

@@ -65,6 +65,35 @@ impl SamplingRow {
 
 /// One token per row of `logits [B, V]` → `[B]` (i32), on the logits' device.
 pub fn sample(logits: Tensor<2>, rows: &[SamplingRow]) -> Result<Tensor<1, Int>, KernelError> {
+    sample_to(logits, rows, None)
+}
+
+/// [`sample`] into `out[..B]` (`out [n ≥ B]` i32): in place on CubeCL devices (the buffer
+/// keeps its address, so a captured graph reading it sees the tokens); elsewhere `out` is
+/// replaced by a tensor holding them there.
+pub fn sample_into(
+    logits: Tensor<2>,
+    rows: &[SamplingRow],
+    out: &mut Tensor<1, Int>,
+) -> Result<(), KernelError> {
+    let b = logits.dims()[0];
+    if out.dtype() != DType::I32 || out.dims()[0] < b {
+        return Err(KernelError::invalid(format!(
+            "sample_into: {b} rows into a {:?} {:?} buffer",
+            out.dims(),
+            out.dtype()
+        )));
+    }
+    *out = sample_to(logits, rows, Some(out.clone()))?;
+    Ok(())
+}
+
+/// [`sample`], into `out[..B]` when given.
+fn sample_to(
+    logits: Tensor<2>,
+    rows: &[SamplingRow],
+    out: Option<Tensor<1, Int>>,
+) -> Result<Tensor<1, Int>, KernelError> {
     let [b, v] = logits.dims();
     if rows.len() != b {
         return Err(KernelError::invalid(format!(
@@ -83,10 +112,12 @@ pub fn sample(logits: Tensor<2>, rows: &[SamplingRow]) -> Result<Tensor<1, Int>,
             .into_iter()
             .map(|t| t as i32)
             .collect();
-        return Ok(Tensor::from_data(
-            TensorData::new(ids, [b]),
-            (&device, DType::I32),
-        ));
+        let ids = Tensor::from_data(TensorData::new(ids, [b]), (&device, DType::I32));
+        return Ok(match out {
+            Some(out) if b > 0 => out.slice_assign(0..b, ids),
+            Some(out) => out,
+            None => ids,
+        });
     }
     let mut pf = Vec::with_capacity(4 * b);
     let mut pu = Vec::with_capacity(4 * b);
@@ -96,9 +127,15 @@ pub fn sample(logits: Tensor<2>, rows: &[SamplingRow]) -> Result<Tensor<1, Int>,
     }
     let params_f = Tensor::<2>::from_data(TensorData::new(pf, [b, 4]), (&device, DType::F32));
     let params_u = Tensor::<2, Int>::from_data(TensorData::new(pu, [b, 4]), (&device, DType::U32));
-    Ok(Tensor::from_dispatch(Dispatch::sample(
+    let (logits, params_f, params_u) = (
         logits.cast(FloatDType::F32).into_dispatch(),
         params_f.into_dispatch(),
         params_u.into_dispatch(),
-    )))
+    );
+    Ok(Tensor::from_dispatch(match out {
+        Some(mut out) => {
+            Dispatch::sample_into(logits, params_f, params_u, out.extract().into_dispatch())
+        }
+        None => Dispatch::sample(logits, params_f, params_u),
+    }))
 }

@@ -1,6 +1,6 @@
 //! The sampling kernel against the host sampler (same hash, same thresholds).
 
-use burn::tensor::{DType, Tensor, TensorData};
+use burn::tensor::{DType, Int, Tensor, TensorData};
 use cubecl_kernels::SamplingRow;
 use cubecl_kernels::sampling::reference;
 use rand::Rng;
@@ -148,4 +148,55 @@ fn draws_follow_the_filtered_distribution() {
 
 fn argmax(x: &[f32]) -> usize {
     (0..x.len()).fold(0, |b, i| if x[i] > x[b] { i } else { b })
+}
+
+/// `sample_into` writes a step's tokens into the first slots of a standing buffer, leaving the
+/// rest as they were, and `read_ints_async` reads them back as they were when it was called,
+/// although the buffer is overwritten by work enqueued after the call and before the wait —
+/// on both the kernel device and the reference one (plain Burn, no in-place path).
+#[test]
+fn tokens_land_in_a_standing_buffer_and_read_back_as_of_the_call() {
+    let mut rng = rng("tokens_land_in_a_standing_buffer");
+    for device in [kernel_device(), reference_device()] {
+        let vocab = 257;
+        let (logits, rows) = cases(&mut rng, vocab);
+        let b = rows.len();
+        let tensor = |logits: &[f32]| {
+            Tensor::<2>::from_data(
+                TensorData::new(logits.to_vec(), [b, vocab]),
+                (&device, DType::F32),
+            )
+        };
+        let want: Vec<i32> = cubecl_kernels::sample(tensor(&logits), &rows)
+            .unwrap()
+            .into_data()
+            .try_into_vec_as::<i32>()
+            .unwrap();
+        let mut buffer = Tensor::<1, Int>::from_data(
+            TensorData::new(vec![-7i32; b + 5], [b + 5]),
+            (&device, DType::I32),
+        );
+        cubecl_kernels::sample_into(tensor(&logits), &rows, &mut buffer).unwrap();
+        let pending = cubecl_kernels::read_ints_async(&buffer).unwrap();
+        // Work enqueued after the read started: greedy draws of other logits into the buffer.
+        let other: Vec<f32> = logits.iter().map(|x| -x).collect();
+        let greedy = vec![SamplingRow::greedy(); b];
+        cubecl_kernels::sample_into(tensor(&other), &greedy, &mut buffer).unwrap();
+        let got = pending.wait().unwrap();
+        assert_eq!(&got[..b], &want[..], "the tokens of the first draw");
+        assert_eq!(&got[b..], &[-7; 5], "slots past the rows are untouched");
+        let after: Vec<i32> = buffer.into_data().try_into_vec_as::<i32>().unwrap();
+        let flipped: Vec<i32> = (0..b)
+            .map(|r| argmax(&other[r * vocab..(r + 1) * vocab]) as i32)
+            .collect();
+        assert_eq!(&after[..b], &flipped[..], "the second draw landed after the read");
+    }
+    let bad = Tensor::<1, Int>::from_data(
+        TensorData::new(vec![0u32; 3], [3]),
+        (&kernel_device(), DType::U32),
+    );
+    assert!(
+        cubecl_kernels::read_ints_async(&bad).is_err(),
+        "u32 sources are refused"
+    );
 }

@@ -2,7 +2,7 @@
 
 use std::sync::Arc;
 
-use burn::tensor::{DType, Device, Tensor, TensorData};
+use burn::tensor::{DType, Device, Int, Tensor, TensorData};
 use engine::SamplingParams;
 use engine::sampler::{SamplerRow, apply_penalties, apply_penalties_host, sample};
 use rand::{Rng, SeedableRng, rngs::StdRng};
@@ -84,7 +84,8 @@ fn check_penalties(device: &Device) {
         TensorData::new(peaked[3 * vocab..].to_vec(), [1, vocab]),
         (device, DType::F32),
     );
-    let out = sample(t, &row, &[0]).unwrap();
+    let mut draws = Tensor::<1, Int>::from_data(TensorData::new(vec![0i32; 4], [4]), (device, DType::I32));
+    let out = sample(t, &row, &[0], &mut draws).unwrap().wait().unwrap();
     assert_ne!(out[0].token_id, 17);
 }
 

@@ -22,21 +22,31 @@ fn graph_device() -> DeviceKind {
     }
 }
 
-/// [`small_config`] (4 sequences, 24-token steps) with step graphs of `sizes` tokens.
+/// [`small_config`] (4 sequences, 24-token steps) with step graphs of `sizes` tokens and
+/// overlapped scheduling (as on CUDA by default: the graphs feed their decode rows the
+/// previous step's draws).
 fn graph_config(sizes: &[usize]) -> EngineConfig {
     EngineConfig {
         cuda_graph_sizes: Some(sizes.to_vec()),
         emulate_graphs: !matches!(graph_device(), DeviceKind::Cuda(_)),
+        async_scheduling: Some(true),
         ..small_config()
     }
 }
 
 /// Every golden prompt batched (chunked prompts mixed with decodes), every step through a
-/// graph: steps shaped to 8/16/24 tokens, decode-only steps padded to the 1- or 8-token graph.
+/// graph: steps shaped to 8/16/24 tokens, decode-only steps padded to the 1- or 8-token graph;
+/// overlapped and synchronous steps.
 #[test]
 fn graph_steps_match_transformers() {
     for name in CHECKPOINTS {
-        check_goldens_with(name, graph_device(), graph_config(&[1, 8, 16, 24]), false);
+        for overlap in [true, false] {
+            let config = EngineConfig {
+                async_scheduling: Some(overlap),
+                ..graph_config(&[1, 8, 16, 24])
+            };
+            check_goldens_with(name, graph_device(), config, false);
+        }
     }
     let name = "qwen2-tiny-tied";
     let mut engine = engine_on(name, graph_device(), graph_config(&[1, 8, 16, 24]));
