@@ -63,7 +63,7 @@ pub fn nano(
         w.prompt.iter_mut().for_each(|t| *t %= vocab);
     }
     let (wall, outs, before, stats) = warm_then_time(&mut llm, &work, setup.host_profile)?;
-    print_step_profile(llm.engine().step_records());
+    print_step_profile(llm.engine().step_records(), llm.engine().config().overlap());
     if let Some((o, w)) = outs
         .iter()
         .zip(&work)
@@ -174,7 +174,10 @@ pub fn throughput(
     let (wall, outs, before, stats) = warm_then_time(&mut llm, &work, setup.host_profile)?;
     print_graphs(llm.engine().limits());
     let records = llm.engine().step_records();
-    print_step_profile(&records[records.len() - (stats.steps - before.steps) as usize..]);
+    print_step_profile(
+        &records[records.len() - (stats.steps - before.steps) as usize..],
+        llm.engine().config().overlap(),
+    );
     let prompt_tokens: usize = work.iter().map(|w| w.prompt.len()).sum();
     let output_tokens: usize = outs.iter().map(|o| o.token_ids.len()).sum();
     let steps = (stats.steps - before.steps) as f64;
@@ -436,7 +439,14 @@ fn print_graphs(limits: &engine::EngineLimits) {
     }
 }
 
-fn print_step_profile(records: &[burn_nanovllm::StepRecord]) {
+/// Steps by class with their host phases and the device's idle share. Synchronous steps: the
+/// device has nothing queued from the moment a step's draws are back until the next step's
+/// forward is enqueued, so its idle share is (step − wait) / step. Overlapped steps: a step
+/// that still waited for the previous one's draws after enqueueing its own work left the
+/// device no gap (it was busy all along); one that did not wait (under 20 µs) may have left a
+/// gap as long as its host time. Both are upper bounds (the first kernels may start before
+/// the enqueue returns).
+fn print_step_profile(records: &[burn_nanovllm::StepRecord], overlap: bool) {
     let ms = |d: std::time::Duration| d.as_secs_f64() * 1e3;
     type Filter = fn(&burn_nanovllm::StepRecord) -> bool;
     let mut classes: Vec<(String, Vec<&burn_nanovllm::StepRecord>)> = Vec::new();
@@ -460,30 +470,34 @@ fn print_step_profile(records: &[burn_nanovllm::StepRecord]) {
                 .collect(),
         ));
     }
-    // Steps are synchronous: the device has nothing queued from the moment the sampled ids are
-    // back (end of `sample`) until the next step's forward is enqueued, so its idle share is
-    // (post + schedule + forward) over the step (an upper bound: the first kernels may start
-    // before the enqueue call returns).
     eprintln!(
-        "step profile (ms per step): class, steps, tokens, schedule, forward, sample, post, \
-         GPU idle %"
+        "step profile (ms per step, {} steps): class, steps, tokens, schedule, forward, \
+         sample, wait, post, GPU idle % (upper bound)",
+        if overlap { "overlapped" } else { "synchronous" }
     );
     for (name, rs) in classes.iter().filter(|(_, rs)| !rs.is_empty()) {
         let n = rs.len() as f64;
-        let mean = |f: fn(&burn_nanovllm::StepRecord) -> std::time::Duration| {
+        let mean = |f: &dyn Fn(&burn_nanovllm::StepRecord) -> std::time::Duration| {
             rs.iter().map(|r| ms(f(r))).sum::<f64>() / n
         };
-        let (schedule, forward, sample, post) = (
-            mean(|r| r.schedule),
-            mean(|r| r.forward),
-            mean(|r| r.sample),
-            mean(|r| r.post),
-        );
-        let idle = 100.0 * (schedule + forward + post) / (schedule + forward + sample + post);
+        let step = |r: &burn_nanovllm::StepRecord| r.schedule + r.forward + r.sample + r.wait + r.post;
+        let idle = |r: &burn_nanovllm::StepRecord| {
+            if overlap && r.wait.as_micros() >= 20 {
+                std::time::Duration::ZERO
+            } else {
+                step(r) - r.wait
+            }
+        };
+        let idle = 100.0 * mean(&idle) / mean(&step);
         eprintln!(
-            "{name}, {}, {:.0}, {schedule:.3}, {forward:.3}, {sample:.3}, {post:.3}, {idle:.1}",
+            "{name}, {}, {:.0}, {:.3}, {:.3}, {:.3}, {:.3}, {:.3}, {idle:.1}",
             rs.len(),
             rs.iter().map(|r| r.num_tokens).sum::<usize>() as f64 / n,
+            mean(&|r| r.schedule),
+            mean(&|r| r.forward),
+            mean(&|r| r.sample),
+            mean(&|r| r.wait),
+            mean(&|r| r.post),
         );
     }
     let mixed: Vec<String> = records
@@ -504,12 +518,14 @@ fn print_step_profile(records: &[burn_nanovllm::StepRecord]) {
         .take(5)
     {
         eprintln!(
-            "eager mixed step: {} seqs ({} decode rows), {} tokens: forward {:.1} ms, sample {:.1} ms",
+            "eager mixed step: {} seqs ({} decode rows), {} tokens: forward {:.1} ms, sample {:.1} ms, \
+             wait {:.1} ms",
             r.num_seqs,
             r.num_decodes,
             r.num_tokens,
             ms(r.forward),
-            ms(r.sample)
+            ms(r.sample),
+            ms(r.wait)
         );
     }
 }

@@ -67,6 +67,10 @@ struct Cli {
     /// Engine suites: every step eagerly (no CUDA graphs).
     #[arg(long)]
     enforce_eager: bool,
+    /// Engine suites: synchronous steps (no overlapped scheduling; the engine's default on
+    /// CUDA overlaps).
+    #[arg(long)]
+    sync_steps: bool,
     /// Engine suites: token counts of the step graphs (comma-separated), instead of the
     /// engine's default.
     #[arg(long, value_delimiter = ',')]
@@ -287,6 +291,7 @@ fn main() -> Result<()> {
                 max_num_seqs: cli.max_num_seqs,
                 max_num_batched_tokens: cli.max_num_batched_tokens,
                 enforce_eager: cli.enforce_eager,
+                async_scheduling: cli.sync_steps.then_some(false),
                 cuda_graph_sizes: (!cli.graph_sizes.is_empty()).then(|| cli.graph_sizes.clone()),
                 record_steps: true,
                 ..burn_nanovllm::EngineConfig::default()
@@ -371,6 +376,7 @@ fn main() -> Result<()> {
             "max_num_seqs": cli.max_num_seqs,
             "max_num_batched_tokens": cli.max_num_batched_tokens,
             "enforce_eager": cli.enforce_eager,
+            "sync_steps": cli.sync_steps,
         });
         let ctx = record::RunContext::new(&cli.device, &format!("{dtype:?}"), engine);
         record::append(path, &ctx, &tables)?;

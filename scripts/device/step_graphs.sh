@@ -12,7 +12,10 @@
 #      eager steps with CUDA's stream-ordered allocator (`alloc`);
 #   4. the shape sweep under compute-sanitizer (`sanitize`);
 #   5. the same requests offline and through the server, in process and over HTTP (`serve`);
-#   6. where a replayed decode step's host time goes: bench.py with `--host-profile` (`replay`).
+#   6. where a replayed decode step's host time goes: bench.py with `--host-profile` (`replay`);
+#   7. overlapped against synchronous steps, same binary, back to back (`overlap`): the four
+#      figures of 2. and bench.py on Qwen3-0.6B, each with and without `--sync-steps`, into
+#      two logs (overlap.log, sync.log).
 # SECTIONS (default "tests bench profile") picks which to run. Logs go to $OUT.
 set -uo pipefail
 cd "$(dirname "$0")/../.."
@@ -93,6 +96,24 @@ if [[ " $SECTIONS " == *" profile "* && -x $B ]]; then
   timeout 200 $B throughput --device cuda --num-prompts 300 --input-len 528 --output-len 136 \
     --random-range-ratio 0.9 --enforce-eager --host-profile --out "$OUT/tp-eager-profile.json" 2>&1 \
     | tee "$OUT/tp-eager-profile.log" | quiet | tail -150
+fi
+if [[ " $SECTIONS " == *" overlap "* && -x $B ]]; then
+  for mode in overlap sync; do
+    flag=""; [ $mode = sync ] && flag="--sync-steps"
+    T="--device cuda $flag"
+    {
+      echo "== [$mode] throughput, equal lengths"
+      timeout 200 $B throughput $T --num-prompts 1000 --input-len 528 --output-len 136 2>&1 | quiet | tail -14
+      echo "== [$mode] throughput, ±90 %"
+      timeout 200 $B throughput $T --num-prompts 1000 --input-len 528 --output-len 136 --random-range-ratio 0.9 2>&1 | quiet | tail -14
+      echo "== [$mode] bench.py (nano), Qwen2-0.5B"
+      timeout 200 $B nano $T 2>&1 | quiet | tail -12
+      echo "== [$mode] bench.py (nano), Qwen3-0.6B"
+      timeout 200 $B nano $T --dummy qwen3-0.6b 2>&1 | quiet | tail -12
+      echo "== [$mode] one request, 512 + 128"
+      timeout 150 $B latency $T --batch-size 1 --input-len 512 --output-len 128 --iters 5 2>&1 | quiet | tail -4
+    } 2>&1 | tee "$OUT/$mode.log" | grep -E "^==|^qwen|^[0-9]|decode|mixed"
+  done
 fi
 if [[ " $SECTIONS " == *" replay "* && -x $B ]]; then
   echo "== bench.py (graph-replayed decode steps), host profile"
