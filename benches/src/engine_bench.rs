@@ -442,10 +442,10 @@ fn print_graphs(limits: &engine::EngineLimits) {
 /// Steps by class with their host phases and the device's idle share. Synchronous steps: the
 /// device has nothing queued from the moment a step's draws are back until the next step's
 /// forward is enqueued, so its idle share is (step − wait) / step. Overlapped steps: a step
-/// that still waited for the previous one's draws after enqueueing its own work left the
-/// device no gap (it was busy all along); one that did not wait (under 20 µs) may have left a
-/// gap as long as its host time. Both are upper bounds (the first kernels may start before
-/// the enqueue returns).
+/// that waited for the device (flushing its sampling, or for the previous step's draws) after
+/// enqueueing its own forward left the device no gap — the forward was queued behind the work
+/// it waited for; one that did not wait (under 20 µs) may have left a gap as long as its host
+/// time. Both are upper bounds (the first kernels may start before the enqueue returns).
 fn print_step_profile(records: &[burn_nanovllm::StepRecord], overlap: bool) {
     let ms = |d: std::time::Duration| d.as_secs_f64() * 1e3;
     type Filter = fn(&burn_nanovllm::StepRecord) -> bool;
@@ -480,7 +480,8 @@ fn print_step_profile(records: &[burn_nanovllm::StepRecord], overlap: bool) {
         let mean = |f: &dyn Fn(&burn_nanovllm::StepRecord) -> std::time::Duration| {
             rs.iter().map(|r| ms(f(r))).sum::<f64>() / n
         };
-        let step = |r: &burn_nanovllm::StepRecord| r.schedule + r.forward + r.sample + r.wait + r.post;
+        let step =
+            |r: &burn_nanovllm::StepRecord| r.schedule + r.forward + r.sample + r.wait + r.post;
         let idle = |r: &burn_nanovllm::StepRecord| {
             if overlap && r.wait.as_micros() >= 20 {
                 std::time::Duration::ZERO

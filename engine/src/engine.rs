@@ -455,6 +455,7 @@ impl LLMEngine {
             return Ok(outputs);
         }
         let scheduled_at = Instant::now();
+        self.waited = Duration::ZERO;
         // A failure here leaves the device (and the KV cache) in an unknown state: it ends
         // every request and the engine. A panicking backend counts as such a failure.
         let run = std::panic::catch_unwind(AssertUnwindSafe(|| self.run_model(&sched)));
@@ -468,6 +469,7 @@ impl LLMEngine {
             Err(panic) => return Err(self.fail(panic_message(panic.as_ref()))),
         };
         let enqueued_at = Instant::now();
+        let flushed = self.waited;
         let mut prefill = false;
         for s in &sched.seqs {
             if s.num_new_tokens > 1 || !s.samples || self.is_prompt_token(s.id) {
@@ -482,7 +484,6 @@ impl LLMEngine {
         // being built), then record what this one computes: every token it computes is known
         // on the host by now, so the prefix cache hashes real tokens only.
         let previous = self.in_flight.replace(in_flight);
-        self.waited = Duration::ZERO;
         if let Some(previous) = previous {
             outputs.extend(self.finish(previous)?);
         }
@@ -494,13 +495,14 @@ impl LLMEngine {
         }
         let waited = self.waited;
         let end = Instant::now();
-        self.stats.sample_time += (enqueued_at - forwarded_at) + waited;
+        self.stats.sample_time += (enqueued_at - forwarded_at) + (waited - flushed);
         self.stats.steps += 1;
         self.stats.generated_tokens += outputs
             .iter()
             .map(|o| o.new_token_ids.len() as u64)
             .sum::<u64>();
-        self.stats.host_time += (scheduled_at - start) + (end - enqueued_at) - waited;
+        self.stats.host_time +=
+            (scheduled_at - start) + (end - enqueued_at).saturating_sub(waited - flushed);
         self.stats.step_time += end - start;
         if prefill {
             self.stats.prefill_steps += 1;
@@ -516,9 +518,9 @@ impl LLMEngine {
                 graph,
                 schedule: scheduled_at - start,
                 forward: forwarded_at - scheduled_at,
-                sample: enqueued_at - forwarded_at,
+                sample: (enqueued_at - forwarded_at).saturating_sub(flushed),
                 wait: waited,
-                post: end - enqueued_at - waited,
+                post: (end - enqueued_at).saturating_sub(waited - flushed),
             });
         }
         Ok(outputs)
@@ -589,16 +591,12 @@ impl LLMEngine {
                 let seq = self.scheduler.get(s.id).expect("scheduled sequence");
                 let pending_row = match seq.num_pending_tokens {
                     0 => None,
-                    _ => Some(
-                        *prev
-                            .and_then(|p| p.row_of.get(&s.id))
-                            .ok_or_else(|| {
-                                EngineError::Device(format!(
-                                    "request {} waits for a draw no step made",
-                                    s.id
-                                ))
-                            })?,
-                    ),
+                    _ => Some(*prev.and_then(|p| p.row_of.get(&s.id)).ok_or_else(|| {
+                        EngineError::Device(format!(
+                            "request {} waits for a draw no step made",
+                            s.id
+                        ))
+                    })?),
                 };
                 Ok(StepSeq {
                     token_ids: &seq.token_ids,
@@ -619,7 +617,12 @@ impl LLMEngine {
             .seqs
             .iter()
             .filter(|s| s.samples)
-            .map(|s| (s.id, self.scheduler.get(s.id).expect("sampled").num_tokens()))
+            .map(|s| {
+                (
+                    s.id,
+                    self.scheduler.get(s.id).expect("sampled").num_tokens(),
+                )
+            })
             .collect();
         let draws = match logits {
             Some(logits) => {
@@ -638,11 +641,20 @@ impl LLMEngine {
                     })
                     .collect();
                 let counters: Vec<u32> = seqs.iter().map(|s| s.num_tokens() as u32).collect();
-                sampler::sample(logits, &sampler_rows, &counters, self.runner.draws())?
+                let (draws, flush) =
+                    sampler::sample(logits, &sampler_rows, &counters, self.runner.draws())?;
+                // Flushing the sampling to the device waits for it while the previous step's
+                // copy of the draws buffer (which this sampling rewrites) is pending.
+                self.waited += flush;
+                draws
             }
             None => sampler::Draws::Ready(Vec::new()),
         };
-        let row_of = rows.iter().enumerate().map(|(r, &(id, _))| (id, r)).collect();
+        let row_of = rows
+            .iter()
+            .enumerate()
+            .map(|(r, &(id, _))| (id, r))
+            .collect();
         Ok(ModelRun {
             in_flight: InFlight {
                 rows,
@@ -990,8 +1002,11 @@ fn warm_up_step(
             banned: Vec::new(),
         })
         .collect();
-    let mut draws = Tensor::<1, Int>::from_data(TensorData::new(vec![0i32; n], [n]), (device, DType::I32));
-    sampler::sample(logits, &rows, &vec![0; n], &mut draws)?.wait()?;
+    let mut draws =
+        Tensor::<1, Int>::from_data(TensorData::new(vec![0i32; n], [n]), (device, DType::I32));
+    sampler::sample(logits, &rows, &vec![0; n], &mut draws)?
+        .0
+        .wait()?;
     device
         .sync()
         .map_err(|e| EngineError::Device(format!("warm-up forward: {e:?}")))?;

@@ -93,8 +93,10 @@ pub struct StepRecord {
     pub forward: Duration,
     /// Enqueueing the sampling (and, for rows that ask for log-probabilities, waiting for it).
     pub sample: Duration,
-    /// Waiting for the draws of the step before (overlapped scheduling: the device runs this
-    /// step's work meanwhile) or of this one (synchronous steps).
+    /// Waiting for the device: flushing the sampling to it (which waits while the previous
+    /// step's copy of the draws is pending) and waiting for the draws of the step before
+    /// (overlapped scheduling: the device runs this step's work meanwhile) or of this one
+    /// (synchronous steps).
     pub wait: Duration,
     /// Stop conditions and outputs.
     pub post: Duration,

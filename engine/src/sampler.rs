@@ -7,6 +7,7 @@
 //! asynchronously ([`Draws`]): the engine enqueues the next step before it waits for them.
 
 use std::collections::BTreeMap;
+use std::time::{Duration, Instant};
 
 use burn::tensor::{DType, IndexingUpdateOp, Int, Tensor, TensorData, activation::log_softmax};
 use cubecl_kernels::SamplingRow;
@@ -180,16 +181,18 @@ impl Draws {
 /// Samples one token per row of `logits [rows, V]` (f32) into `draws[..rows]` (the runner's
 /// standing `[max_num_seqs]` i32 buffer, in place) and starts reading them back. `counters[r]`
 /// is the position of the token being drawn (it keys the row's random stream). With rows that
-/// ask for log-probabilities, the ids are read (and the log-probabilities computed) now.
+/// ask for log-probabilities, the ids are read (and the log-probabilities computed) now. Also
+/// returns the time spent flushing the work to the device (which waits for it while an earlier
+/// copy of `draws` is pending).
 pub fn sample(
     logits: Tensor<2>,
     rows: &[SamplerRow<'_>],
     counters: &[u32],
     draws: &mut Tensor<1, Int>,
-) -> Result<Draws> {
+) -> Result<(Draws, Duration)> {
     let n = rows.len();
     if n == 0 {
-        return Ok(Draws::Ready(Vec::new()));
+        return Ok((Draws::Ready(Vec::new()), Duration::ZERO));
     }
     let raw = rows
         .iter()
@@ -209,10 +212,12 @@ pub fn sample(
         })
         .collect();
     cubecl_kernels::sample_into(logits, &kernel_rows, draws)?;
+    let flush = Instant::now();
     let pending = cubecl_kernels::read_ints_async(&draws.clone().slice(0..n))
         .map_err(|e| EngineError::Device(format!("sampled ids: {e}")))?;
+    let flush = flush.elapsed();
     let Some(raw) = raw else {
-        return Ok(Draws::Copying(pending, n));
+        return Ok((Draws::Copying(pending, n), flush));
     };
     let mut out = Draws::Copying(pending, n).wait()?;
     let ids: Vec<u32> = out.iter().map(|s| s.token_id).collect();
@@ -223,7 +228,7 @@ pub fn sample(
     for (r, lp) in wanted.into_iter().zip(all) {
         out[r].logprobs = Some(lp);
     }
-    Ok(Draws::Ready(out))
+    Ok((Draws::Ready(out), flush))
 }
 
 /// Log-softmax of the `wanted` rows of the raw logits: the sampled token's value and the top-n.

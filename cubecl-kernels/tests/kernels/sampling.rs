@@ -189,7 +189,11 @@ fn tokens_land_in_a_standing_buffer_and_read_back_as_of_the_call() {
         let flipped: Vec<i32> = (0..b)
             .map(|r| argmax(&other[r * vocab..(r + 1) * vocab]) as i32)
             .collect();
-        assert_eq!(&after[..b], &flipped[..], "the second draw landed after the read");
+        assert_eq!(
+            &after[..b],
+            &flipped[..],
+            "the second draw landed after the read"
+        );
     }
     let bad = Tensor::<1, Int>::from_data(
         TensorData::new(vec![0u32; 3], [3]),

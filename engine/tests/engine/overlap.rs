@@ -43,7 +43,10 @@ fn assert_same(what: &str, sync: &[Finished], overlap: &[Finished]) {
         assert_eq!(a.text, b.text, "{what} request {i}: text");
         let (la, lb) = (a.last(), b.last());
         assert_eq!(la.finish_reason, lb.finish_reason, "{what} request {i}");
-        assert_eq!(la.num_output_tokens, lb.num_output_tokens, "{what} request {i}");
+        assert_eq!(
+            la.num_output_tokens, lb.num_output_tokens,
+            "{what} request {i}"
+        );
         assert_eq!(b.tokens.len(), lb.num_output_tokens, "{what} request {i}");
     }
 }
@@ -112,7 +115,10 @@ fn stops_are_exact_under_overlap() {
     let first = want.iter().position(|&t| t == stop_id).unwrap();
     assert_eq!(overlap[0].tokens, want[..=first]);
     let min = &overlap[2].tokens;
-    assert!(min.len() > 8 && !min[..8].contains(&stop_id), "min_tokens: {min:?}");
+    assert!(
+        min.len() > 8 && !min[..8].contains(&stop_id),
+        "min_tokens: {min:?}"
+    );
     assert_eq!(overlap[3].tokens.len(), 1, "stops at its first token");
     assert_eq!(overlap[4].tokens.len(), 1);
     assert_eq!(overlap[5].last().finish_reason, Some(FinishReason::Length));
@@ -163,11 +169,22 @@ fn prefix_hits_preemption_and_seeds_are_exact_under_overlap() {
         ..small_config()
     };
     let mut engine = engine_on(name, test_device(), stepping(tight, true));
-    let requests = golden.prompts().into_iter().map(|p| (p, greedy(24))).collect();
+    let requests = golden
+        .prompts()
+        .into_iter()
+        .map(|p| (p, greedy(24)))
+        .collect();
     let out = run_all(&mut engine, requests);
-    assert!(engine.stats().preemptions > 0, "the pool should have run out");
+    assert!(
+        engine.stats().preemptions > 0,
+        "the pool should have run out"
+    );
     for (i, f) in out.iter().enumerate() {
-        assert_eq!(f.tokens, golden.ids(&format!("prompt.{i}.greedy_ids")), "{i}");
+        assert_eq!(
+            f.tokens,
+            golden.ids(&format!("prompt.{i}.greedy_ids")),
+            "{i}"
+        );
     }
     assert_eq!(engine.kv_usage(), 0.0);
 
@@ -250,7 +267,9 @@ fn session(
                         .unwrap_or_default(),
                     ..greedy(max_tokens)
                 };
-                let id = engine.add_request(prompts[prompt].clone(), params.clone()).unwrap();
+                let id = engine
+                    .add_request(prompts[prompt].clone(), params.clone())
+                    .unwrap();
                 requests.push((id, params));
             }
             Op::Abort(k) => {

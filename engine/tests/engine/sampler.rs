@@ -84,8 +84,9 @@ fn check_penalties(device: &Device) {
         TensorData::new(peaked[3 * vocab..].to_vec(), [1, vocab]),
         (device, DType::F32),
     );
-    let mut draws = Tensor::<1, Int>::from_data(TensorData::new(vec![0i32; 4], [4]), (device, DType::I32));
-    let out = sample(t, &row, &[0], &mut draws).unwrap().wait().unwrap();
+    let mut draws =
+        Tensor::<1, Int>::from_data(TensorData::new(vec![0i32; 4], [4]), (device, DType::I32));
+    let out = sample(t, &row, &[0], &mut draws).unwrap().0.wait().unwrap();
     assert_ne!(out[0].token_id, 17);
 }
 
