@@ -78,6 +78,9 @@ struct EngineArgs {
     /// Run decode steps eagerly (no CUDA graphs).
     #[arg(long)]
     enforce_eager: bool,
+    /// Synchronous steps: no overlapped scheduling (on by default on CUDA; for debugging).
+    #[arg(long)]
+    sync_steps: bool,
     /// Turn prefix caching off.
     #[arg(long)]
     no_prefix_caching: bool,
@@ -254,6 +257,7 @@ fn engine_config(model: &ModelArgs, e: &EngineArgs) -> EngineConfig {
         num_kv_blocks: e.num_kv_blocks,
         gpu_memory_utilization: e.gpu_memory_utilization,
         enforce_eager: e.enforce_eager,
+        async_scheduling: e.sync_steps.then_some(false),
         enable_prefix_caching: !e.no_prefix_caching,
         ..EngineConfig::default()
     }

@@ -21,11 +21,11 @@ use rand::{Rng, SeedableRng, rngs::StdRng};
 
 use crate::block_manager::BlockManager;
 use crate::config::EngineConfig;
-use crate::detokenizer::Detokenizer;
 use crate::error::{EngineError, Result};
 use crate::memory;
 use crate::model_runner::{FaultHook, ModelRunner};
-use crate::output::{EngineStats, RequestMetrics, RequestOutput, StepRecord};
+use crate::output::{EngineStats, RequestOutput, StepRecord};
+use crate::output_processor::OutputProcessor;
 use crate::sampler::{self, SamplerRow};
 use crate::sampling_params::SamplingParams;
 use crate::scheduler::{Scheduler, SchedulerLimits, SchedulerOutput};
@@ -56,12 +56,10 @@ pub struct LLMEngine {
     config: EngineConfig,
     limits: EngineLimits,
     model_config: Qwen2Config,
-    tokenizer: Option<Arc<Qwen2Tokenizer>>,
-    eos_token_ids: Vec<u32>,
     generation_defaults: SamplingParams,
     scheduler: Scheduler,
     runner: ModelRunner,
-    detokenizers: HashMap<RequestId, Detokenizer>,
+    outputs: OutputProcessor,
     pending: Vec<RequestOutput>,
     stream_text: bool,
     next_id: RequestId,
@@ -208,11 +206,9 @@ impl LLMEngine {
             config,
             limits,
             model_config,
-            tokenizer,
-            eos_token_ids,
+            outputs: OutputProcessor::new(tokenizer, eos_token_ids, max_model_len),
             scheduler,
             runner,
-            detokenizers: HashMap::new(),
             pending: Vec::new(),
             stream_text: false,
             next_id: 0,
@@ -251,12 +247,12 @@ impl LLMEngine {
 
     /// The tokenizer, when the model folder has one.
     pub fn tokenizer(&self) -> Option<&Arc<Qwen2Tokenizer>> {
-        self.tokenizer.as_ref()
+        self.outputs.tokenizer()
     }
 
     /// End-of-sequence ids (config and `generation_config.json`).
     pub fn eos_token_ids(&self) -> &[u32] {
-        &self.eos_token_ids
+        self.outputs.eos_token_ids()
     }
 
     /// Sampling defaults from `generation_config.json` (temperature, top-p, top-k,
@@ -319,8 +315,7 @@ impl LLMEngine {
     /// Text of `prompt` as token ids.
     pub fn encode(&self, text: &str) -> Result<Vec<u32>> {
         Ok(self
-            .tokenizer
-            .as_ref()
+            .tokenizer()
             .ok_or(EngineError::NoTokenizer)?
             .encode(text)?)
     }
@@ -331,7 +326,7 @@ impl LLMEngine {
     pub fn add_request(&mut self, prompt: Vec<u32>, params: SamplingParams) -> Result<RequestId> {
         self.check_alive()?;
         params.validate()?;
-        if self.tokenizer.is_none() && !params.stop.is_empty() {
+        if self.tokenizer().is_none() && !params.stop.is_empty() {
             return Err(EngineError::param(
                 "stop",
                 "stop strings need the model's tokenizer.json, which this model folder lacks"
@@ -354,8 +349,8 @@ impl LLMEngine {
         let seed = params.seed.unwrap_or_else(|| self.rng.random());
         // Text is tracked only where there is a tokenizer (stop strings without one were
         // refused above): token-id requests on such models stream ids alone.
-        if self.tokenizer.is_some() && (self.stream_text || !params.stop.is_empty()) {
-            self.detokenizers.insert(id, Detokenizer::new(&params));
+        if self.tokenizer().is_some() && (self.stream_text || !params.stop.is_empty()) {
+            self.outputs.track_text(id, &params);
         }
         self.scheduler
             .add(Sequence::new(id, prompt, Arc::new(params), seed));
@@ -419,7 +414,9 @@ impl LLMEngine {
             _ => return Err(EngineError::UnknownRequest(id)),
         }
         self.scheduler.finish(id, FinishReason::Abort);
-        let out = self.finished_output(id, Vec::new(), Vec::new());
+        let out = self
+            .outputs
+            .finished_output(&mut self.scheduler, id, Vec::new(), Vec::new());
         self.pending.extend(out);
         Ok(())
     }
@@ -445,7 +442,12 @@ impl LLMEngine {
         }
         let sched = self.scheduler.schedule();
         for &id in &sched.failed {
-            outputs.extend(self.finished_output(id, Vec::new(), Vec::new()));
+            outputs.extend(self.outputs.finished_output(
+                &mut self.scheduler,
+                id,
+                Vec::new(),
+                Vec::new(),
+            ));
         }
         if sched.is_empty() {
             // Nothing to overlap with: finish the step in flight.
@@ -576,7 +578,12 @@ impl LLMEngine {
             }
             seq.token_ids[position] = sample.token_id;
             seq.num_pending_tokens -= 1;
-            outputs.extend(self.accept_token(id, position, sample.logprobs)?);
+            outputs.extend(self.outputs.accept_token(
+                &mut self.scheduler,
+                id,
+                position,
+                sample.logprobs,
+            )?);
         }
         Ok(outputs)
     }
@@ -674,7 +681,7 @@ impl LLMEngine {
             self.scheduler.take_finished(id);
         }
         self.pending.clear();
-        self.detokenizers.clear();
+        self.outputs.clear();
         self.in_flight = None;
         self.failure = Some(cause.clone());
         EngineError::DeviceFailed(cause)
@@ -700,109 +707,10 @@ impl LLMEngine {
         }
         let mut banned = p.stop_token_ids.clone();
         if !p.ignore_eos {
-            banned.extend(&self.eos_token_ids);
+            banned.extend(self.outputs.eos_token_ids());
         }
         banned.retain(|&t| (t as usize) < self.model_config.vocab_size);
         banned
-    }
-
-    /// Applies the stop conditions to the token drawn at `position` (in place already; later
-    /// entries are placeholders of draws in flight).
-    fn accept_token(
-        &mut self,
-        id: RequestId,
-        position: usize,
-        logprobs: Option<sampler::TokenLogprobs>,
-    ) -> Result<Option<RequestOutput>> {
-        let max_model_len = self.limits.max_model_len;
-        let seq = self.scheduler.get_mut(id).expect("sampled sequence");
-        let token = seq.token_ids[position];
-        seq.first_token_time.get_or_insert_with(Instant::now);
-        let params = seq.params.clone();
-        let n_out = position + 1 - seq.num_prompt_tokens;
-        let may_stop = n_out >= params.min_tokens;
-        let mut reason = None;
-        if may_stop
-            && ((!params.ignore_eos && self.eos_token_ids.contains(&token))
-                || params.stop_token_ids.contains(&token))
-        {
-            reason = Some(FinishReason::Stop);
-        }
-        if let Some(detok) = self.detokenizers.get_mut(&id) {
-            let tokenizer = self.tokenizer.as_ref().ok_or(EngineError::NoTokenizer)?;
-            let seq = self.scheduler.get(id).expect("sampled sequence");
-            let output = &seq.token_ids[seq.num_prompt_tokens..=position];
-            let stopped = detok.update(tokenizer, output, &params)?;
-            if stopped && may_stop && reason.is_none() {
-                reason = Some(FinishReason::Stop);
-            }
-        }
-        if reason.is_none() && (n_out >= params.max_tokens || position + 1 >= max_model_len) {
-            reason = Some(FinishReason::Length);
-        }
-        let new_text = match (&reason, self.detokenizers.get_mut(&id)) {
-            (None, Some(detok)) => detok.take_delta(false),
-            _ => String::new(),
-        };
-        let logprobs: Vec<_> = logprobs.into_iter().collect();
-        match reason {
-            Some(reason) => {
-                self.scheduler.finish(id, reason);
-                Ok(self.finished_output(id, vec![token], logprobs))
-            }
-            None => {
-                let seq = self.scheduler.get(id).expect("sampled sequence");
-                Ok(Some(RequestOutput {
-                    id,
-                    new_token_ids: vec![token],
-                    new_text,
-                    new_logprobs: logprobs,
-                    finish_reason: None,
-                    num_prompt_tokens: seq.num_prompt_tokens,
-                    num_output_tokens: n_out,
-                    num_cached_tokens: seq.num_cached_tokens,
-                    metrics: None,
-                }))
-            }
-        }
-    }
-
-    /// The final output of a finished request (removing it from the scheduler).
-    fn finished_output(
-        &mut self,
-        id: RequestId,
-        new_token_ids: Vec<u32>,
-        new_logprobs: Vec<sampler::TokenLogprobs>,
-    ) -> Option<RequestOutput> {
-        let mut seq = self.scheduler.take_finished(id)?;
-        // Draws still in flight never become its tokens.
-        let kept = seq.num_tokens() - seq.num_pending_tokens;
-        seq.token_ids.truncate(kept);
-        seq.num_pending_tokens = 0;
-        let mut new_text = String::new();
-        if let Some(mut d) = self.detokenizers.remove(&id) {
-            if let Some(tokenizer) = &self.tokenizer {
-                // The text is best effort here: the request has ended either way.
-                let _ = d.flush(tokenizer, seq.output_token_ids(), &seq.params);
-            }
-            new_text = d.take_delta(true);
-        }
-        let now = Instant::now();
-        Some(RequestOutput {
-            id,
-            new_token_ids,
-            new_text,
-            new_logprobs,
-            finish_reason: seq.finish_reason.clone(),
-            num_prompt_tokens: seq.num_prompt_tokens,
-            num_output_tokens: seq.num_output_tokens(),
-            num_cached_tokens: seq.num_cached_tokens,
-            metrics: Some(RequestMetrics {
-                time_to_first_token: seq.first_token_time.map(|t| t - seq.arrival),
-                total_time: now - seq.arrival,
-                num_preemptions: seq.num_preemptions,
-            }),
-        })
     }
 }
 

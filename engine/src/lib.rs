@@ -14,7 +14,8 @@
 //! | [`model_runner`] | [`ModelRunner`]: the flattened batch, the forward pass, step graphs |
 //! | [`sampler`] | penalties, the sampling kernel and log-probabilities |
 //! | [`detokenizer`] | incremental text and stop strings |
-//! | [`engine`] | [`LLMEngine`]: `add_request`, `step`, `abort` |
+//! | `output_processor` | stop conditions and text of drawn tokens (one step behind, when overlapped) |
+//! | [`engine`] | [`LLMEngine`]: `add_request`, `step` (the step loop), `abort` |
 
 #![warn(missing_docs)]
 
@@ -27,6 +28,7 @@ pub mod error;
 pub mod memory;
 pub mod model_runner;
 pub mod output;
+mod output_processor;
 pub mod sampler;
 pub mod sampling_params;
 pub mod scheduler;

@@ -233,14 +233,27 @@ fn op() -> impl Strategy<Value = Op> {
     ]
 }
 
-/// Runs a session of random arrivals, aborts and steps to its end on `engine`; returns each
-/// request's streamed tokens, its final output's count and reason, and whether it was aborted.
+/// How one request of a session ended.
+struct Ended {
+    /// Every token it streamed.
+    tokens: Vec<u32>,
+    /// Its last output's `num_output_tokens`.
+    count: usize,
+    /// Its last output's finish reason.
+    reason: Option<FinishReason>,
+    /// The session aborted it.
+    aborted: bool,
+    params: SamplingParams,
+}
+
+/// Runs a session of random arrivals, aborts and steps to its end on `engine`; returns how
+/// each request ended.
 fn session(
     engine: &mut LLMEngine,
     ops: &[Op],
     prompts: &[Vec<u32>],
     goldens: &[Vec<u32>],
-) -> Vec<(Vec<u32>, usize, Option<FinishReason>, bool, SamplingParams)> {
+) -> Vec<Ended> {
     type Streamed = HashMap<RequestId, (Vec<u32>, usize, Option<FinishReason>)>;
     let mut requests: Vec<(RequestId, SamplingParams)> = Vec::new();
     let mut streamed = Streamed::new();
@@ -276,7 +289,7 @@ fn session(
                 let live: Vec<RequestId> = requests
                     .iter()
                     .map(|r| r.0)
-                    .filter(|id| !streamed.get(id).is_some_and(|s| s.2.is_some()))
+                    .filter(|id| streamed.get(id).is_none_or(|s| s.2.is_none()))
                     .filter(|id| !aborted.contains(id))
                     .collect();
                 if !live.is_empty() {
@@ -301,8 +314,14 @@ fn session(
     requests
         .into_iter()
         .map(|(id, params)| {
-            let (tokens, n, reason) = streamed.remove(&id).unwrap_or_default();
-            (tokens, n, reason, aborted.contains(&id), params)
+            let (tokens, count, reason) = streamed.remove(&id).unwrap_or_default();
+            Ended {
+                tokens,
+                count,
+                reason,
+                aborted: aborted.contains(&id),
+                params,
+            }
         })
         .collect()
 }
@@ -328,7 +347,7 @@ proptest! {
         };
         let mut engine = engine_on(name, test_device(), config);
         let results = session(&mut engine, &ops, &prompts, &goldens);
-        for (i, (tokens, n, reason, aborted, params)) in results.into_iter().enumerate() {
+        for (i, Ended { tokens, count: n, reason, aborted, params }) in results.into_iter().enumerate() {
             prop_assert!(reason.is_some(), "request {} never ended", i);
             prop_assert_eq!(tokens.len(), n, "request {}: streamed vs counted", i);
             let prompt = ops.iter().filter_map(|o| match o {
