@@ -122,6 +122,17 @@ pub fn small_config() -> EngineConfig {
     }
 }
 
+/// `config` with a pool too small for the six golden prompts growing by 24 tokens (10 blocks
+/// of 16 for up to 21 needed, 6 sequences, `max_model_len` 160): it forces preemption.
+pub fn tight_pool(config: EngineConfig) -> EngineConfig {
+    EngineConfig {
+        max_num_seqs: 6,
+        num_kv_blocks: Some(10),
+        max_model_len: Some(160),
+        ..config
+    }
+}
+
 /// Greedy, `n` tokens, end-of-sequence ignored.
 pub fn greedy(n: usize) -> SamplingParams {
     SamplingParams {

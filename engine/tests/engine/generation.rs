@@ -188,12 +188,7 @@ fn preemption_by_recompute_keeps_greedy_outputs() {
     );
     // 10 blocks of 16 tokens for six prompts of 1..100 tokens growing by 24 (21 blocks at the
     // end): the pool runs out.
-    let tight = EngineConfig {
-        max_num_seqs: 6,
-        num_kv_blocks: Some(10),
-        max_model_len: Some(160),
-        ..small_config()
-    };
+    let tight = tight_pool(small_config());
     let mut engine = engine_on(name, test_device(), tight);
     let out = run_all(&mut engine, requests());
     assert!(

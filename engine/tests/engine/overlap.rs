@@ -162,12 +162,7 @@ fn prefix_hits_preemption_and_seeds_are_exact_under_overlap() {
 
     let name = "qwen2-tiny-untied";
     let golden = Golden::load(name);
-    let tight = EngineConfig {
-        max_num_seqs: 6,
-        num_kv_blocks: Some(10),
-        max_model_len: Some(160),
-        ..small_config()
-    };
+    let tight = tight_pool(small_config());
     let mut engine = engine_on(name, test_device(), stepping(tight, true));
     let requests = golden
         .prompts()

@@ -111,12 +111,7 @@ fn graph_steps_keep_prefix_hits_and_preemption_exact() {
 
     let name = "qwen2-tiny-untied";
     let golden = Golden::load(name);
-    let tight = EngineConfig {
-        max_num_seqs: 6,
-        num_kv_blocks: Some(10),
-        max_model_len: Some(160),
-        ..graph_config(&[1, 8, 16, 24])
-    };
+    let tight = tight_pool(graph_config(&[1, 8, 16, 24]));
     let mut engine = engine_on(name, graph_device(), tight);
     let out = run_all(
         &mut engine,
