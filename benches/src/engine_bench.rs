@@ -63,7 +63,11 @@ pub fn nano(
         w.prompt.iter_mut().for_each(|t| *t %= vocab);
     }
     let (wall, outs, before, stats) = warm_then_time(&mut llm, &work, setup.host_profile)?;
-    print_step_profile(llm.engine().step_records(), llm.engine().config().overlap());
+    print_step_profile(
+        llm.engine().step_records(),
+        &llm.engine().gpu_timeline()?,
+        llm.engine().config().overlap(),
+    );
     if let Some((o, w)) = outs
         .iter()
         .zip(&work)
@@ -174,8 +178,11 @@ pub fn throughput(
     let (wall, outs, before, stats) = warm_then_time(&mut llm, &work, setup.host_profile)?;
     print_graphs(llm.engine().limits());
     let records = llm.engine().step_records();
+    let timed = records.len() - (stats.steps - before.steps) as usize;
+    let gpu = llm.engine().gpu_timeline()?;
     print_step_profile(
-        &records[records.len() - (stats.steps - before.steps) as usize..],
+        &records[timed..],
+        gpu.get(timed..).unwrap_or(&[]),
         llm.engine().config().overlap(),
     );
     let prompt_tokens: usize = work.iter().map(|w| w.prompt.len()).sum();
@@ -446,10 +453,20 @@ fn print_graphs(limits: &engine::EngineLimits) {
 /// enqueueing its own forward left the device no gap — the forward was queued behind the work
 /// it waited for; one that did not wait (under 20 µs) may have left a gap as long as its host
 /// time. Both are upper bounds (the first kernels may start before the enqueue returns).
-fn print_step_profile(records: &[burn_nanovllm::StepRecord], overlap: bool) {
+/// With `gpu` (`--gpu-timeline`: CUDA events, aligned with `records`) it also prints the
+/// device's measured busy and idle time per step class.
+fn print_step_profile(
+    records: &[burn_nanovllm::StepRecord],
+    gpu: &[Option<burn_nanovllm::GpuStep>],
+    overlap: bool,
+) {
     let ms = |d: std::time::Duration| d.as_secs_f64() * 1e3;
     type Filter = fn(&burn_nanovllm::StepRecord) -> bool;
-    let mut classes: Vec<(String, Vec<&burn_nanovllm::StepRecord>)> = Vec::new();
+    // Each class: its steps' indices in `records` (and `gpu`).
+    let mut classes: Vec<(String, Vec<usize>)> = Vec::new();
+    let indices = |f: &dyn Fn(&burn_nanovllm::StepRecord) -> bool| -> Vec<usize> {
+        (0..records.len()).filter(|&i| f(&records[i])).collect()
+    };
     for (name, f) in [
         (
             "mixed/prefill, graph",
@@ -459,15 +476,12 @@ fn print_step_profile(records: &[burn_nanovllm::StepRecord], overlap: bool) {
             r.num_tokens > r.num_seqs && !r.graph
         }),
     ] {
-        classes.push((name.into(), records.iter().filter(|r| f(r)).collect()));
+        classes.push((name.into(), indices(&f)));
     }
     for (lo, hi) in [(1, 32), (33, 128), (129, 256), (257, usize::MAX)] {
         classes.push((
             format!("decode {lo}-{hi}"),
-            records
-                .iter()
-                .filter(|r| r.num_tokens == r.num_seqs && (lo..=hi).contains(&r.num_seqs))
-                .collect(),
+            indices(&|r| r.num_tokens == r.num_seqs && (lo..=hi).contains(&r.num_seqs)),
         ));
     }
     eprintln!(
@@ -475,7 +489,8 @@ fn print_step_profile(records: &[burn_nanovllm::StepRecord], overlap: bool) {
          sample, wait, post, GPU idle % (upper bound)",
         if overlap { "overlapped" } else { "synchronous" }
     );
-    for (name, rs) in classes.iter().filter(|(_, rs)| !rs.is_empty()) {
+    for (name, steps) in classes.iter().filter(|(_, rs)| !rs.is_empty()) {
+        let rs: Vec<&burn_nanovllm::StepRecord> = steps.iter().map(|&i| &records[i]).collect();
         let n = rs.len() as f64;
         let mean = |f: &dyn Fn(&burn_nanovllm::StepRecord) -> std::time::Duration| {
             rs.iter().map(|r| ms(f(r))).sum::<f64>() / n
@@ -500,6 +515,28 @@ fn print_step_profile(records: &[burn_nanovllm::StepRecord], overlap: bool) {
             mean(&|r| r.wait),
             mean(&|r| r.post),
         );
+    }
+    if !gpu.is_empty() {
+        eprintln!(
+            "device timeline (CUDA events, ms per step): class, steps, busy, idle before, idle %"
+        );
+        for (name, rs) in classes.iter().filter(|(_, rs)| !rs.is_empty()) {
+            let steps: Vec<&burn_nanovllm::GpuStep> = rs
+                .iter()
+                .filter_map(|&i| gpu.get(i).and_then(Option::as_ref))
+                .collect();
+            if steps.is_empty() {
+                continue;
+            }
+            let n = steps.len() as f64;
+            let busy = steps.iter().map(|g| ms(g.busy)).sum::<f64>() / n;
+            let idle = steps.iter().map(|g| ms(g.idle_before)).sum::<f64>() / n;
+            eprintln!(
+                "{name}, {}, {busy:.3}, {idle:.3}, {:.1}",
+                steps.len(),
+                100.0 * idle / (busy + idle)
+            );
+        }
     }
     let mixed: Vec<String> = records
         .iter()

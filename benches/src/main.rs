@@ -71,6 +71,10 @@ struct Cli {
     /// CUDA overlaps).
     #[arg(long)]
     sync_steps: bool,
+    /// Engine suites (nano, throughput): CUDA events around every step's device work; the
+    /// step profile then shows the device's busy and idle time per step (costs host time).
+    #[arg(long)]
+    gpu_timeline: bool,
     /// Engine suites: token counts of the step graphs (comma-separated), instead of the
     /// engine's default.
     #[arg(long, value_delimiter = ',')]
@@ -292,6 +296,7 @@ fn main() -> Result<()> {
                 max_num_batched_tokens: cli.max_num_batched_tokens,
                 enforce_eager: cli.enforce_eager,
                 async_scheduling: cli.sync_steps.then_some(false),
+                gpu_timeline: cli.gpu_timeline,
                 cuda_graph_sizes: (!cli.graph_sizes.is_empty()).then(|| cli.graph_sizes.clone()),
                 record_steps: true,
                 ..burn_nanovllm::EngineConfig::default()

@@ -26,8 +26,8 @@ pub mod server;
 pub use chat::chat_loop;
 pub use cubecl_kernels::DeviceKind;
 pub use engine::{
-    EngineConfig, EngineStats, FinishReason, LLMEngine, RequestId, RequestMetrics, RequestOutput,
-    SamplingParams, StepRecord, TokenLogprobs,
+    EngineConfig, EngineStats, FinishReason, GpuStep, LLMEngine, RequestId, RequestMetrics,
+    RequestOutput, SamplingParams, StepRecord, TokenLogprobs,
 };
 pub use error::{LlmError, Result};
 pub use llm::{Completion, LLM, ParamsFor, Prompt};

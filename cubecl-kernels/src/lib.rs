@@ -37,6 +37,7 @@
 //! | [`sample`] | `logits [B, V]` (f32) → next tokens `[B]` (greedy, or seeded min-p/top-k/top-p draws) |
 //! | [`sample_into`] | as [`sample`], into the first `B` slots of an existing `i32` buffer, in place (the next step's graph reads them) |
 //! | [`write_ints`] | host `i32` values into a span of an existing device buffer, in place (graph inputs) |
+//! | [`mark_stream`] | a CUDA event on the device's stream behind everything enqueued (device timelines) |
 //! | [`read_ints_async`] | starts copying an `i32` buffer to the host behind the work that writes it; wait later |
 
 #![warn(missing_docs)]
@@ -48,6 +49,7 @@ mod device;
 mod device_caps;
 mod device_read;
 mod error;
+mod gpu_timeline;
 mod host_write;
 mod knobs;
 pub mod ops;
@@ -65,6 +67,7 @@ pub use cpu_builtins::load as load_cpu_builtins;
 pub use device::DeviceKind;
 pub use device_read::{PendingInts, ReadSlot, read_ints_async};
 pub use error::KernelError;
+pub use gpu_timeline::{GpuMark, MarkSlot, mark_stream};
 pub use host_write::write_ints;
 pub use rms_norm_linear::{
     FusedRmsNormLinear, LinearRoute, add_rms_norm_linear, check_args, linear, linear_add,

@@ -14,6 +14,7 @@ use burn_cubecl::kernel::into_contiguous;
 
 use crate::attention::{AttentionLaunch, QkvLayout, decode, prefill, store_kv};
 use crate::device_read::{self, ReadSlot};
+use crate::gpu_timeline::{self, MarkSlot};
 use crate::host_write;
 use crate::rms_norm_linear::launch as linear_launch;
 use crate::sampling;
@@ -148,6 +149,12 @@ pub trait KernelOps: Backend {
     /// [`crate::read_ints_async`]). Returns `src`.
     #[fusion(meta = read_ints_meta)]
     fn read_ints(src: IntTensor<Self>, read: ReadSlot) -> IntTensor<Self>;
+
+    /// Records a CUDA event on the stream `anchor`'s work is ordered on, behind everything
+    /// enqueued before, into `mark` (see [`crate::mark_stream`]; nothing off CUDA). Returns
+    /// `anchor`.
+    #[fusion(meta = mark_stream_meta)]
+    fn mark_stream(anchor: IntTensor<Self>, mark: MarkSlot) -> IntTensor<Self>;
 }
 
 #[allow(clippy::too_many_arguments)]
@@ -219,6 +226,10 @@ fn sample_into_meta(
 
 fn read_ints_meta(src: &TensorSpec, _read: &ReadSlot) -> TensorSpec {
     src.clone()
+}
+
+fn mark_stream_meta(anchor: &TensorSpec, _mark: &MarkSlot) -> TensorSpec {
+    anchor.clone()
 }
 
 fn sample_meta(logits: &TensorSpec, _params_f: &TensorSpec, _params_u: &TensorSpec) -> TensorSpec {
@@ -380,5 +391,10 @@ impl KernelOps for CubeBackend {
     fn read_ints(src: IntTensor<Self>, read: ReadSlot) -> IntTensor<Self> {
         device_read::start_cube(&src, &read);
         src
+    }
+
+    fn mark_stream(anchor: IntTensor<Self>, mark: MarkSlot) -> IntTensor<Self> {
+        gpu_timeline::record(&anchor, &mark);
+        anchor
     }
 }

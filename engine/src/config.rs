@@ -51,6 +51,11 @@ pub struct EngineConfig {
     /// step behind. `None`: on for CUDA, off elsewhere; `Some(false)`: synchronous steps
     /// (debugging).
     pub async_scheduling: Option<bool>,
+    /// With `record_steps`, mark each step's device work on the CUDA stream (events where it
+    /// starts and ends) for [`crate::LLMEngine::gpu_timeline`]: the device's busy and idle
+    /// time per step. Benchmarks only: each mark costs the host a round trip to the device
+    /// thread.
+    pub gpu_timeline: bool,
 }
 
 impl Default for EngineConfig {
@@ -72,6 +77,7 @@ impl Default for EngineConfig {
             seed: 0,
             record_steps: false,
             async_scheduling: None,
+            gpu_timeline: false,
         }
     }
 }

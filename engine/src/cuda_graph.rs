@@ -389,6 +389,10 @@ pub(crate) struct StepGraphs {
     failures: Vec<String>,
     captured: Vec<GraphCapture>,
     timings: GraphTimings,
+    /// Record a mark on the device's stream right before each replay
+    /// ([`crate::EngineConfig::gpu_timeline`]); the last one, until taken.
+    pub(crate) mark_replays: bool,
+    pub(crate) replay_mark: Option<cubecl_kernels::GpuMark>,
 }
 
 /// Host time of the graph steps, by phase.
@@ -474,6 +478,8 @@ impl StepGraphs {
             failures: Vec::new(),
             captured: Vec::new(),
             timings: GraphTimings::default(),
+            mark_replays: false,
+            replay_mark: None,
         };
         let mut sizes = sizes.to_vec();
         sizes.sort_unstable();
@@ -597,6 +603,10 @@ impl StepGraphs {
         let n = inputs.num_samples;
         self.graphs[i].buffers.write(&inputs)?;
         let written = Instant::now();
+        if self.mark_replays {
+            // Behind the input write, right before the replay (or the emulated forward).
+            self.replay_mark = cubecl_kernels::mark_stream(draws)?;
+        }
         let g = &self.graphs[i];
         let logits = match &g.replay {
             Replay::Captured(captured) => {

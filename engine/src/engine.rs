@@ -24,7 +24,7 @@ use crate::config::EngineConfig;
 use crate::error::{EngineError, Result};
 use crate::memory;
 use crate::model_runner::{FaultHook, ModelRunner};
-use crate::output::{EngineStats, RequestOutput, StepRecord};
+use crate::output::{EngineStats, GpuStep, RequestOutput, StepRecord};
 use crate::output_processor::OutputProcessor;
 use crate::sampler::{self, SamplerRow};
 use crate::sampling_params::SamplingParams;
@@ -71,6 +71,8 @@ pub struct LLMEngine {
     in_flight: Option<InFlight>,
     /// Time the current step spent waiting for draws.
     waited: Duration,
+    /// With `gpu_timeline`: each recorded step's marks on the device's stream (start, end).
+    gpu_marks: Vec<Option<(cubecl_kernels::GpuMark, cubecl_kernels::GpuMark)>>,
 }
 
 /// A step enqueued on the device whose draws the host has not processed yet.
@@ -170,6 +172,8 @@ impl LLMEngine {
             &config.graph_sizes(),
             config.emulate_graphs,
         )?;
+        let mut runner = runner;
+        runner.set_mark_steps(config.gpu_timeline && config.record_steps);
         let graph_sizes = runner.graph_sizes();
         let scheduler = Scheduler::new(
             SchedulerLimits {
@@ -217,6 +221,7 @@ impl LLMEngine {
             failure: None,
             in_flight: None,
             waited: Duration::ZERO,
+            gpu_marks: Vec::new(),
         })
     }
 
@@ -290,6 +295,30 @@ impl LLMEngine {
     /// The steps recorded so far (with `EngineConfig::record_steps`).
     pub fn step_records(&self) -> &[StepRecord] {
         &self.records
+    }
+
+    /// The device time of each recorded step, aligned with [`LLMEngine::step_records`] (with
+    /// `EngineConfig::gpu_timeline` on CUDA; `None` where no marks were recorded). Waits for
+    /// the device to reach the last mark.
+    pub fn gpu_timeline(&self) -> Result<Vec<Option<GpuStep>>> {
+        let ms = |v: f32| Duration::from_secs_f64(v.max(0.0) as f64 / 1e3);
+        let err = |e: cubecl_kernels::KernelError| EngineError::Device(e.to_string());
+        let mut out = Vec::with_capacity(self.gpu_marks.len());
+        for (i, marks) in self.gpu_marks.iter().enumerate() {
+            let Some((start, end)) = marks else {
+                out.push(None);
+                continue;
+            };
+            let idle_before = match i.checked_sub(1).and_then(|j| self.gpu_marks[j].as_ref()) {
+                Some((_, previous_end)) => ms(start.ms_since(previous_end).map_err(err)?),
+                None => Duration::ZERO,
+            };
+            out.push(Some(GpuStep {
+                busy: ms(end.ms_since(start).map_err(err)?),
+                idle_before,
+            }));
+        }
+        Ok(out)
     }
 
     /// Requests waiting to be scheduled.
@@ -662,6 +691,11 @@ impl LLMEngine {
             .enumerate()
             .map(|(r, &(id, _))| (id, r))
             .collect();
+        if self.config.gpu_timeline && self.config.record_steps {
+            let start = self.runner.take_start_mark();
+            let end = cubecl_kernels::mark_stream(self.runner.draws())?;
+            self.gpu_marks.push(start.zip(end));
+        }
         Ok(ModelRun {
             in_flight: InFlight {
                 rows,

@@ -42,7 +42,7 @@ pub use cuda_graph::{GraphCapture, GraphTimings, default_graph_sizes};
 pub use engine::{EngineLimits, LLMEngine};
 pub use error::{EngineError, Result};
 pub use model_runner::{FaultHook, ModelRunner, RunnerStats};
-pub use output::{EngineStats, RequestMetrics, RequestOutput, StepRecord};
+pub use output::{EngineStats, GpuStep, RequestMetrics, RequestOutput, StepRecord};
 pub use sampler::TokenLogprobs;
 pub use sampling_params::SamplingParams;
 pub use scheduler::{Scheduler, SchedulerLimits, SchedulerOutput};

@@ -44,6 +44,9 @@ pub struct ModelRunner {
     /// The last step's tokens, `[max_num_seqs]` i32 (row `r`: the step's `r`-th sampled row).
     draws: Tensor<1, Int>,
     stats: RunnerStats,
+    /// Mark the device's stream where each step's work starts ([`ModelRunner::take_start_mark`]).
+    mark_steps: bool,
+    start_mark: Option<cubecl_kernels::GpuMark>,
     forwards: u64,
     fault_hook: Option<FaultHook>,
 }
@@ -96,6 +99,8 @@ impl ModelRunner {
             graphs,
             draws,
             stats: RunnerStats::default(),
+            mark_steps: false,
+            start_mark: None,
             forwards: 0,
             fault_hook: None,
         })
@@ -141,6 +146,21 @@ impl ModelRunner {
         &mut self.draws
     }
 
+    /// Records a mark on the device's stream where each step's device work starts: right before
+    /// a graph replay, or before an eager forward (`EngineConfig::gpu_timeline`).
+    pub fn set_mark_steps(&mut self, on: bool) {
+        self.mark_steps = on;
+        if let Some(g) = self.graphs.as_mut() {
+            g.mark_replays = on;
+        }
+    }
+
+    /// The mark where the last step's device work started, if marks are on and CUDA records
+    /// them.
+    pub fn take_start_mark(&mut self) -> Option<cubecl_kernels::GpuMark> {
+        self.start_mark.take()
+    }
+
     /// Installs a hook that runs before every forward (device-failure injection in tests).
     pub fn set_fault_hook(&mut self, hook: FaultHook) {
         self.fault_hook = Some(hook);
@@ -172,6 +192,7 @@ impl ModelRunner {
         if let Some(graphs) = self.graphs.as_mut()
             && let Some(logits) = graphs.run(seqs, &self.draws)?
         {
+            self.start_mark = graphs.replay_mark.take();
             self.stats.graph_steps += 1;
             self.stats.prepare_time += start.elapsed();
             return Ok(seqs.iter().any(|s| s.samples).then_some(logits));
@@ -208,6 +229,9 @@ impl ModelRunner {
                 (&self.device, DType::I32),
             );
             input = feed_draws(input, rows, self.draws.clone());
+        }
+        if self.mark_steps {
+            self.start_mark = cubecl_kernels::mark_stream(&self.draws)?;
         }
         let mut cache = self.cache.lock().expect("KV cache lock");
         let logits = if sample_rows.is_empty() {

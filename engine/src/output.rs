@@ -76,6 +76,17 @@ pub struct EngineStats {
     pub decode_time: Duration,
 }
 
+/// A step's time on the device ([`crate::LLMEngine::gpu_timeline`]).
+#[derive(Clone, Copy, Debug, Default, PartialEq)]
+pub struct GpuStep {
+    /// From the start of its device work (right before its graph replay or eager forward) to
+    /// the end of its sampling and the draws' copy.
+    pub busy: Duration,
+    /// Before it: from the end of the previous step's work to the start of this one's, when
+    /// the device's stream had nothing of the engine's queued.
+    pub idle_before: Duration,
+}
+
 /// What one step did and where its time went (kept when `EngineConfig::record_steps` is set).
 #[derive(Clone, Copy, Debug, Default, PartialEq)]
 pub struct StepRecord {

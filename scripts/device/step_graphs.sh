@@ -15,7 +15,9 @@
 #   6. where a replayed decode step's host time goes: bench.py with `--host-profile` (`replay`);
 #   7. overlapped against synchronous steps, same binary, back to back (`overlap`): the four
 #      figures of 2. and bench.py on Qwen3-0.6B, each with and without `--sync-steps`, into
-#      two logs (overlap.log, sync.log).
+#      two logs (overlap.log, sync.log);
+#   8. the device's busy and idle time per step from CUDA events (`timeline`, `--gpu-timeline`):
+#      bench.py and 1,000 × (528 + 136) ±90 %, overlapped and synchronous (timeline.log).
 # SECTIONS (default "tests bench profile") picks which to run. Logs go to $OUT.
 set -uo pipefail
 cd "$(dirname "$0")/../.."
@@ -114,6 +116,16 @@ if [[ " $SECTIONS " == *" overlap "* && -x $B ]]; then
       timeout 150 $B latency $T --batch-size 1 --input-len 512 --output-len 128 --iters 5 2>&1 | quiet | tail -4
     } 2>&1 | tee "$OUT/$mode.log" | grep -E "^==|^qwen|^[0-9]|decode|mixed"
   done
+fi
+if [[ " $SECTIONS " == *" timeline "* && -x $B ]]; then
+  for mode in overlap sync; do
+    flag=""; [ $mode = sync ] && flag="--sync-steps"
+    echo "== [$mode] bench.py (nano), Qwen2-0.5B, CUDA events"
+    timeout 200 $B nano --device cuda --gpu-timeline $flag 2>&1 | quiet | tail -20
+    echo "== [$mode] throughput ±90 %, CUDA events"
+    timeout 200 $B throughput --device cuda --gpu-timeline $flag --num-prompts 1000 --input-len 528 \
+      --output-len 136 --random-range-ratio 0.9 2>&1 | quiet | tail -20
+  done 2>&1 | tee "$OUT/timeline.log" | grep -vE "^first mixed"
 fi
 if [[ " $SECTIONS " == *" replay "* && -x $B ]]; then
   echo "== bench.py (graph-replayed decode steps), host profile"
