@@ -138,10 +138,21 @@ pub fn read_ints_async(src: &Tensor<1, Int>) -> Result<PendingInts, KernelError>
     }
     let slot = ReadSlot::default();
     let out = Dispatch::read_ints(src.clone().extract().into_dispatch(), slot.clone());
-    // Keep the op's output until the flush: a lazy backend skips ops whose outputs are gone.
+    run_now(out, &device, "read_ints_async")?;
+    Ok(PendingInts::Copying(slot))
+}
+
+/// Runs the op that produced `out` now: flushes the fusion queue to the device (without
+/// waiting for the device) while `out` is alive — a lazy backend skips ops whose outputs are
+/// gone.
+pub(crate) fn run_now(
+    out: burn::backend::tensor::IntTensor<Dispatch>,
+    device: &burn::tensor::Device,
+    what: &str,
+) -> Result<(), KernelError> {
     let kept = Tensor::<1, Int>::from_dispatch(out);
     Dispatch::flush(device.as_dispatch())
-        .map_err(|e| KernelError::invalid(format!("read_ints_async: flush: {e:?}")))?;
+        .map_err(|e| KernelError::invalid(format!("{what}: flush: {e:?}")))?;
     drop(kept);
-    Ok(PendingInts::Copying(slot))
+    Ok(())
 }

@@ -7,7 +7,7 @@
 use std::fmt;
 use std::sync::{Arc, Mutex};
 
-use burn::backend::{Backend, Dispatch};
+use burn::backend::Dispatch;
 use burn::tensor::{Int, Tensor};
 use burn_cubecl::tensor::CubeTensor;
 
@@ -157,11 +157,7 @@ pub fn mark_stream(anchor: &Tensor<1, Int>) -> Result<Option<GpuMark>, KernelErr
     }
     let slot = MarkSlot::default();
     let out = Dispatch::mark_stream(anchor.clone().extract().into_dispatch(), slot.clone());
-    // Keep the op's output until the flush: a lazy backend skips ops whose outputs are gone.
-    let kept = Tensor::<1, Int>::from_dispatch(out);
-    Dispatch::flush(device.as_dispatch())
-        .map_err(|e| KernelError::invalid(format!("gpu mark: flush: {e:?}")))?;
-    drop(kept);
+    crate::device_read::run_now(out, &device, "gpu mark")?;
     let recorded = slot.0.lock().expect("mark").is_some();
     Ok(recorded.then_some(GpuMark(slot)))
 }
