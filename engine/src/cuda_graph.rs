@@ -389,10 +389,6 @@ pub(crate) struct StepGraphs {
     failures: Vec<String>,
     captured: Vec<GraphCapture>,
     timings: GraphTimings,
-    /// Record a mark on the device's stream right before each replay
-    /// ([`crate::EngineConfig::gpu_timeline`]); the last one, until taken.
-    pub(crate) mark_replays: bool,
-    pub(crate) replay_mark: Option<cubecl_kernels::GpuMark>,
 }
 
 /// Host time of the graph steps, by phase.
@@ -478,8 +474,6 @@ impl StepGraphs {
             failures: Vec::new(),
             captured: Vec::new(),
             timings: GraphTimings::default(),
-            mark_replays: false,
-            replay_mark: None,
         };
         let mut sizes = sizes.to_vec();
         sizes.sort_unstable();
@@ -581,11 +575,14 @@ impl StepGraphs {
     /// Runs the step `seqs` (decode rows first) through the smallest graph that holds it;
     /// returns the logits `[rows that sample, V]` (f32; all `S` rows, padding included, when
     /// none samples), or `None` when no graph holds it. `draws` is the runner's standing buffer
-    /// of the last step's tokens (a captured graph reads it by address).
+    /// of the last step's tokens (a captured graph reads it by address). With `mark`, a mark
+    /// of the device's stream right before the replay goes there
+    /// ([`crate::EngineConfig::gpu_timeline`]).
     pub(crate) fn run(
         &mut self,
         seqs: &[StepSeq<'_>],
         draws: &Tensor<1, Int>,
+        mark: Option<&mut Option<cubecl_kernels::GpuMark>>,
     ) -> Result<Option<Tensor<2>>> {
         let start = Instant::now();
         let (width, bs, rows) = (self.width, self.block_size, self.tile_rows);
@@ -603,9 +600,9 @@ impl StepGraphs {
         let n = inputs.num_samples;
         self.graphs[i].buffers.write(&inputs)?;
         let written = Instant::now();
-        if self.mark_replays {
+        if let Some(mark) = mark {
             // Behind the input write, right before the replay (or the emulated forward).
-            self.replay_mark = cubecl_kernels::mark_stream(draws)?;
+            *mark = cubecl_kernels::mark_stream(draws)?;
         }
         let g = &self.graphs[i];
         let logits = match &g.replay {

@@ -162,7 +162,7 @@ impl LLMEngine {
             dtype,
             &device,
         )?;
-        let runner = ModelRunner::new(
+        let mut runner = ModelRunner::new(
             model,
             cache,
             device,
@@ -172,7 +172,6 @@ impl LLMEngine {
             &config.graph_sizes(),
             config.emulate_graphs,
         )?;
-        let mut runner = runner;
         runner.set_mark_steps(config.gpu_timeline && config.record_steps);
         let graph_sizes = runner.graph_sizes();
         let scheduler = Scheduler::new(
@@ -494,11 +493,7 @@ impl LLMEngine {
             in_flight,
             graph,
             forwarded_at,
-        } = match run {
-            Ok(Ok(run)) => run,
-            Ok(Err(e)) => return Err(self.fail(e.to_string())),
-            Err(panic) => return Err(self.fail(panic_message(panic.as_ref()))),
-        };
+        } = self.device_result(run)?;
         let enqueued_at = Instant::now();
         let flushed = self.waited;
         let mut prefill = false;
@@ -592,11 +587,7 @@ impl LLMEngine {
         let wait_start = Instant::now();
         let sampled = std::panic::catch_unwind(AssertUnwindSafe(|| step.draws.wait()));
         self.waited += wait_start.elapsed();
-        let sampled = match sampled {
-            Ok(Ok(sampled)) => sampled,
-            Ok(Err(e)) => return Err(self.fail(e.to_string())),
-            Err(panic) => return Err(self.fail(panic_message(panic.as_ref()))),
-        };
+        let sampled = self.device_result(sampled)?;
         let mut outputs = Vec::new();
         for ((id, position), sample) in step.rows.into_iter().zip(sampled) {
             let Some(seq) = self.scheduler.get_mut(id) else {
@@ -705,6 +696,16 @@ impl LLMEngine {
             graph,
             forwarded_at,
         })
+    }
+
+    /// The value of device work run under `catch_unwind`; an error or a panic there ends
+    /// every request and the engine ([`LLMEngine::fail`]).
+    fn device_result<T>(&mut self, run: std::thread::Result<Result<T>>) -> Result<T> {
+        match run {
+            Ok(Ok(value)) => Ok(value),
+            Ok(Err(e)) => Err(self.fail(e.to_string())),
+            Err(panic) => Err(self.fail(panic_message(panic.as_ref()))),
+        }
     }
 
     /// Ends every request and the engine after a failed step; returns the error to report.

@@ -150,9 +150,6 @@ impl ModelRunner {
     /// a graph replay, or before an eager forward (`EngineConfig::gpu_timeline`).
     pub fn set_mark_steps(&mut self, on: bool) {
         self.mark_steps = on;
-        if let Some(g) = self.graphs.as_mut() {
-            g.mark_replays = on;
-        }
     }
 
     /// The mark where the last step's device work started, if marks are on and CUDA records
@@ -190,9 +187,12 @@ impl ModelRunner {
             hook(index).map_err(EngineError::Device)?;
         }
         if let Some(graphs) = self.graphs.as_mut()
-            && let Some(logits) = graphs.run(seqs, &self.draws)?
+            && let Some(logits) = graphs.run(
+                seqs,
+                &self.draws,
+                self.mark_steps.then_some(&mut self.start_mark),
+            )?
         {
-            self.start_mark = graphs.replay_mark.take();
             self.stats.graph_steps += 1;
             self.stats.prepare_time += start.elapsed();
             return Ok(seqs.iter().any(|s| s.samples).then_some(logits));
