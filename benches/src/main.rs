@@ -71,6 +71,10 @@ struct Cli {
     /// CUDA overlaps).
     #[arg(long)]
     sync_steps: bool,
+    /// Engine suites: prompt tokens that waiting prompts must fill before they are admitted
+    /// into a busy batch (0: at once; default: the engine's).
+    #[arg(long)]
+    admission_tokens: Option<usize>,
     /// Engine suites (nano, throughput): CUDA events around every step's device work; the
     /// step profile then shows the device's busy and idle time per step (costs host time).
     #[arg(long)]
@@ -296,6 +300,7 @@ fn main() -> Result<()> {
                 max_num_batched_tokens: cli.max_num_batched_tokens,
                 enforce_eager: cli.enforce_eager,
                 async_scheduling: cli.sync_steps.then_some(false),
+                admission_min_tokens: cli.admission_tokens,
                 gpu_timeline: cli.gpu_timeline,
                 cuda_graph_sizes: (!cli.graph_sizes.is_empty()).then(|| cli.graph_sizes.clone()),
                 record_steps: true,
@@ -382,6 +387,7 @@ fn main() -> Result<()> {
             "max_num_batched_tokens": cli.max_num_batched_tokens,
             "enforce_eager": cli.enforce_eager,
             "sync_steps": cli.sync_steps,
+            "admission_tokens": cli.admission_tokens,
         });
         let ctx = record::RunContext::new(&cli.device, &format!("{dtype:?}"), engine);
         record::append(path, &ctx, &tables)?;

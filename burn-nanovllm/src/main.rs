@@ -84,6 +84,10 @@ struct EngineArgs {
     /// Turn prefix caching off.
     #[arg(long)]
     no_prefix_caching: bool,
+    /// Prompt tokens that waiting prompts must fill before they join a busy batch (0: at
+    /// once; default: --max-num-batched-tokens).
+    #[arg(long)]
+    admission_tokens: Option<usize>,
 }
 
 /// Sampling options (vLLM's names); unset ones come from the model's generation_config.json.
@@ -258,6 +262,7 @@ fn engine_config(model: &ModelArgs, e: &EngineArgs) -> EngineConfig {
         gpu_memory_utilization: e.gpu_memory_utilization,
         enforce_eager: e.enforce_eager,
         async_scheduling: e.sync_steps.then_some(false),
+        admission_min_tokens: e.admission_tokens,
         enable_prefix_caching: !e.no_prefix_caching,
         ..EngineConfig::default()
     }

@@ -33,6 +33,9 @@ pub(crate) struct Knobs {
     pub decode_layout: Option<(usize, usize, usize)>,
     /// `BURN_NANOVLLM_DECODE_MMA=planes`: planes of the tensor-core decode kernel (0: never it).
     pub decode_mma_planes: Option<usize>,
+    /// `BURN_NANOVLLM_DECODE_SPLIT_KEYS=keys`: a batch that fills the device alone splits its
+    /// contexts into pieces of at least `keys` keys (default, and 0: it does not split).
+    pub decode_split_keys: Option<usize>,
 }
 
 impl Knobs {
@@ -54,6 +57,7 @@ impl Knobs {
             prefill_mma: numbers("BURN_NANOVLLM_PREFILL_MMA").map(|[h, r, k]| (h, r, k)),
             decode_layout: numbers("BURN_NANOVLLM_DECODE").map(|[l, h, t]| (l, h, t)),
             decode_mma_planes: numbers("BURN_NANOVLLM_DECODE_MMA").map(|[p]| p),
+            decode_split_keys: numbers("BURN_NANOVLLM_DECODE_SPLIT_KEYS").map(|[k]| k),
         }
     }
 }

@@ -4,6 +4,7 @@ use burn::tensor::DType;
 use cubecl_kernels::DeviceKind;
 
 use crate::error::{EngineError, Result};
+use crate::scheduler::Admission;
 
 /// How the engine runs.
 #[derive(Clone, Debug, PartialEq)]
@@ -39,6 +40,14 @@ pub struct EngineConfig {
     /// Off CUDA, run steps through the graphs' padded layout, eagerly (tests of the graph path
     /// on CPUs; `cubecl-cpu` only).
     pub emulate_graphs: bool,
+    /// Admission batching while at least half of `max_num_seqs` sequences decode
+    /// ([`crate::scheduler::Admission`]): waiting prompts are admitted once the free places'
+    /// prompts fill this many tokens, so that prefill runs in fewer, larger mixed steps.
+    /// `None`: `max_num_batched_tokens` (a step's worth); `Some(0)`: admit as soon as a place is
+    /// free (vLLM's policy).
+    pub admission_min_tokens: Option<usize>,
+    /// Most consecutive steps the waiting prompts are held back for `admission_min_tokens`.
+    pub admission_max_wait_steps: usize,
     /// Reuse the KV blocks of shared prompt prefixes.
     pub enable_prefix_caching: bool,
     /// Seed from which requests without their own seed get one.
@@ -73,6 +82,8 @@ impl Default for EngineConfig {
             enforce_eager: false,
             cuda_graph_sizes: None,
             emulate_graphs: false,
+            admission_min_tokens: None,
+            admission_max_wait_steps: 16,
             enable_prefix_caching: true,
             seed: 0,
             record_steps: false,
@@ -95,6 +106,16 @@ impl EngineConfig {
     pub fn overlap(&self) -> bool {
         self.async_scheduling
             .unwrap_or(matches!(self.device, DeviceKind::Cuda(_)))
+    }
+
+    /// The scheduler's admission policy (`admission_min_tokens`, `admission_max_wait_steps`).
+    pub fn admission(&self) -> Admission {
+        Admission {
+            min_tokens: self
+                .admission_min_tokens
+                .unwrap_or(self.max_num_batched_tokens),
+            max_wait_steps: self.admission_max_wait_steps,
+        }
     }
 
     /// The step-graph token counts: none with `enforce_eager`, none off CUDA unless

@@ -185,6 +185,7 @@ impl LLMEngine {
                 config.enable_prefix_caching,
             ),
         )
+        .with_admission(config.admission())
         // Steps shaped to the graphs that were captured.
         .with_step_sizes(
             graph_sizes.clone(),

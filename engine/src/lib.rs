@@ -45,6 +45,6 @@ pub use model_runner::{FaultHook, ModelRunner, RunnerStats};
 pub use output::{EngineStats, GpuStep, RequestMetrics, RequestOutput, StepRecord};
 pub use sampler::TokenLogprobs;
 pub use sampling_params::SamplingParams;
-pub use scheduler::{Scheduler, SchedulerLimits, SchedulerOutput};
+pub use scheduler::{Admission, Scheduler, SchedulerLimits, SchedulerOutput};
 pub use sequence::{FinishReason, RequestId, Sequence};
 pub use step::StepSeq;

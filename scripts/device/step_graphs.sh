@@ -18,6 +18,13 @@
 #      two logs (overlap.log, sync.log);
 #   8. the device's busy and idle time per step from CUDA events (`timeline`, `--gpu-timeline`):
 #      bench.py and 1,000 × (528 + 136) ±90 %, overlapped and synchronous (timeline.log).
+#   9. admission batching (`admission`): ±90 % and equal lengths at several
+#      `--admission-tokens` (0 = admit at once), bench.py and one request at 0 and the default
+#      (admission.log);
+#  10. balanced decode splits (`split`): `benches decode` with the default split and with
+#      BURN_NANOVLLM_DECODE_SPLIT_KEYS=0 (a full batch never splits: the kernels before), then
+#      the engine figures with both, at admission 0 / default / 8192 (split-*.log); FA3's
+#      decode and prefill beside them when dist-fa3/ travels (fa3.csv);
 # SECTIONS (default "tests bench profile") picks which to run. Logs go to $OUT.
 set -uo pipefail
 cd "$(dirname "$0")/../.."
@@ -126,6 +133,52 @@ if [[ " $SECTIONS " == *" timeline "* && -x $B ]]; then
     timeout 200 $B throughput --device cuda --gpu-timeline $flag --num-prompts 1000 --input-len 528 \
       --output-len 136 --random-range-ratio 0.9 2>&1 | quiet | tail -20
   done 2>&1 | tee "$OUT/timeline.log" | grep -vE "^first mixed"
+fi
+if [[ " $SECTIONS " == *" admission "* && -x $B ]]; then
+  T="--device cuda --num-prompts 1000 --input-len 528 --output-len 136"
+  for a in ${ADMISSION:-0 2048 4096 8192}; do
+    for r in 0.9 0.9 0; do
+      echo "== admission $a, throughput, range $r"
+      timeout 200 $B throughput $T --random-range-ratio $r --admission-tokens $a 2>&1 | quiet | tail -9
+    done
+  done 2>&1 | tee "$OUT/admission.log" | grep -E "^==|^qwen"
+  for a in 0 4096; do
+    echo "== admission $a, bench.py (nano), Qwen2-0.5B"
+    timeout 200 $B nano --device cuda --admission-tokens $a 2>&1 | quiet | tail -6
+    echo "== admission $a, one request 512 + 128"
+    timeout 150 $B latency --device cuda --batch-size 1 --input-len 512 --output-len 128 --iters 5 \
+      --admission-tokens $a 2>&1 | quiet | tail -3
+  done 2>&1 | tee "$OUT/admission-nano.log" | grep -E "^==|^qwen"
+fi
+if [[ " $SECTIONS " == *" split "* && -x $B ]]; then
+  if [ -d dist-fa3 ]; then
+    echo "== FA3 decode and prefill"
+    bash dist-fa3/setup.sh >/dev/null && PYTHONPATH=/tmp/fa3site timeout 300 python3 dist-fa3/fa3_attention.py \
+      > "$OUT/fa3.csv" 2>&1; tail -n +1 "$OUT/fa3.csv" | grep -vE "^\s*$" | head -80
+  fi
+  for k in default 0; do
+    keys=""; [ $k != default ] && keys="BURN_NANOVLLM_DECODE_SPLIT_KEYS=$k"
+    echo "== [split $k] benches decode"
+    env $keys timeout 300 $B decode --device cuda --ours-only 2>&1 | tee "$OUT/split-$k-decode.log" | quiet | grep -E "^qwen|^model"
+  done
+  T="--device cuda --num-prompts 1000 --input-len 528 --output-len 136"
+  for k in default 0; do
+    keys=""; [ $k != default ] && keys="BURN_NANOVLLM_DECODE_SPLIT_KEYS=$k"
+    {
+      for a in 0 4096 8192; do
+        echo "== [split $k] admission $a, throughput ±90 %"
+        env $keys timeout 200 $B throughput $T --random-range-ratio 0.9 --admission-tokens $a 2>&1 | quiet | tail -9
+      done
+      echo "== [split $k] throughput, equal lengths"
+      env $keys timeout 200 $B throughput $T 2>&1 | quiet | tail -9
+      echo "== [split $k] bench.py (nano), Qwen2-0.5B"
+      env $keys timeout 200 $B nano --device cuda 2>&1 | quiet | tail -7
+      echo "== [split $k] bench.py (nano), Qwen3-0.6B"
+      env $keys timeout 200 $B nano --device cuda --dummy qwen3-0.6b 2>&1 | quiet | tail -7
+      echo "== [split $k] one request, 512 + 128"
+      env $keys timeout 150 $B latency --device cuda --batch-size 1 --input-len 512 --output-len 128 --iters 5 2>&1 | quiet | tail -3
+    } 2>&1 | tee "$OUT/split-$k.log" | grep -E "^==|^qwen"
+  done
 fi
 if [[ " $SECTIONS " == *" replay "* && -x $B ]]; then
   echo "== bench.py (graph-replayed decode steps), host profile"

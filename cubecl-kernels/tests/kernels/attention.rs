@@ -181,8 +181,42 @@ fn prefill_matches_reference() {
     );
 }
 
-/// Decode: one token per sequence over contexts 1 … 1000; batch 1 with a long context takes
-/// the split-context path.
+/// Decode of a batch that fills the device alone (150 sequences: on the H100 above half the
+/// tensor-core kernel's target cubes, on CPU runtimes far above), short contexts among a few
+/// long ones, each sequence written by its one cube.
+#[test]
+fn decode_of_a_full_batch_matches_reference() {
+    let mut rng = rng("decode_of_a_full_batch_matches_reference");
+    let mut seqs: Vec<(usize, usize)> = (0..150).map(|_| (1, rng.random_range(1..300))).collect();
+    for (i, ctx) in [1025, 2500, 4097, 1024].into_iter().enumerate() {
+        seqs[i * 37] = (1, ctx);
+    }
+    check_attention(
+        &mut rng,
+        &seqs,
+        16,
+        Heads {
+            heads: 14,
+            kv_heads: 2,
+            d: 64,
+        },
+        DType::BF16,
+    );
+    check_attention(
+        &mut rng,
+        &seqs,
+        16,
+        Heads {
+            heads: 16,
+            kv_heads: 8,
+            d: 128,
+        },
+        DType::F32,
+    );
+}
+
+/// Decode: one token per sequence over contexts 1 … 1000; small batches split each context
+/// into as many pieces as it has (a piece count per sequence), batch 1 into the most.
 #[test]
 fn decode_matches_reference() {
     let mut rng = rng("decode_matches_reference");

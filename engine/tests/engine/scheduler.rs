@@ -4,7 +4,7 @@
 use std::collections::HashMap;
 use std::sync::Arc;
 
-use engine::scheduler::{Scheduler, SchedulerLimits};
+use engine::scheduler::{Admission, Scheduler, SchedulerLimits, SchedulerOutput};
 use engine::{BlockManager, FinishReason, SamplingParams, Sequence};
 use proptest::prelude::*;
 
@@ -57,6 +57,8 @@ proptest! {
         token_seed in any::<u32>(),
         step_sizes in prop::collection::vec(1usize..64, 0..4),
         max_prefill_chunks in 1usize..4,
+        min_tokens in prop::sample::select(vec![0usize, 8, 40, 1000]),
+        max_wait_steps in 0usize..6,
     ) {
         let max_num_batched_tokens = max_num_seqs + extra_budget;
         // With step sizes (graph buckets), at most `max_prefill_chunks` prefill chunks a step.
@@ -65,7 +67,8 @@ proptest! {
             SchedulerLimits { max_num_seqs, max_num_batched_tokens },
             BlockManager::new(num_blocks, block_size, prefix_caching),
         )
-        .with_step_sizes(step_sizes.clone(), chunk_cap);
+        .with_step_sizes(step_sizes.clone(), chunk_cap)
+        .with_admission(Admission { min_tokens, max_wait_steps });
         let capacity = num_blocks * block_size;
         // What each slot holds: (token, position), written when a step computes it.
         let mut kv: Vec<Option<(u32, usize)>> = vec![None; capacity];
@@ -155,4 +158,82 @@ proptest! {
             prop_assert!(false, "{}", e);
         }
     }
+}
+
+/// Runs `out` as the engine would: computes it and appends token 7 to every sampling row.
+fn compute(s: &mut Scheduler, out: &SchedulerOutput) {
+    for q in &out.seqs {
+        s.on_computed(q);
+        if q.samples {
+            s.get_mut(q.id).unwrap().token_ids.push(7);
+        }
+    }
+}
+
+/// Prompt lengths of the rows a step admits (rows that start a prompt).
+fn admitted(s: &Scheduler, out: &SchedulerOutput) -> Vec<usize> {
+    out.seqs[out.num_decodes..]
+        .iter()
+        .filter(|q| s.get(q.id).unwrap().num_computed_tokens == 0)
+        .map(|q| q.num_new_tokens)
+        .collect()
+}
+
+#[test]
+fn a_busy_batch_admits_prompts_once_they_fill_the_token_threshold_or_waited_long_enough() {
+    let params = Arc::new(SamplingParams {
+        max_tokens: 100,
+        ..SamplingParams::default()
+    });
+    let mut s = Scheduler::new(
+        SchedulerLimits {
+            max_num_seqs: 4,
+            max_num_batched_tokens: 64,
+        },
+        BlockManager::new(64, 4, false),
+    )
+    .with_admission(Admission {
+        min_tokens: 20,
+        max_wait_steps: 2,
+    });
+    // An idle batch admits at once.
+    for id in 0..4 {
+        s.add(Sequence::new(id, vec![1, 2], params.clone(), 0));
+    }
+    let out = s.schedule();
+    assert_eq!(admitted(&s, &out), vec![2; 4]);
+    compute(&mut s, &out);
+    for id in 10..16 {
+        s.add(Sequence::new(id, vec![3; 8], params.clone(), 0));
+    }
+    // One place, then two free: their prompts (8, 16 tokens) stay under 20 and wait.
+    s.finish(0, FinishReason::Length);
+    let out = s.schedule();
+    assert_eq!((out.num_decodes, admitted(&s, &out)), (3, vec![]));
+    compute(&mut s, &out);
+    s.finish(1, FinishReason::Length);
+    let out = s.schedule();
+    assert_eq!((out.num_decodes, admitted(&s, &out)), (2, vec![]));
+    compute(&mut s, &out);
+    // Three places: 24 tokens, all three prompts come in one step.
+    s.finish(2, FinishReason::Length);
+    let out = s.schedule();
+    assert_eq!((out.num_decodes, admitted(&s, &out)), (1, vec![8, 8, 8]));
+    compute(&mut s, &out);
+    // One place again: held for `max_wait_steps` steps, then admitted alone.
+    s.finish(3, FinishReason::Length);
+    for _ in 0..2 {
+        let out = s.schedule();
+        assert_eq!((out.num_decodes, admitted(&s, &out)), (3, vec![]));
+        compute(&mut s, &out);
+    }
+    let out = s.schedule();
+    assert_eq!((out.num_decodes, admitted(&s, &out)), (3, vec![8]));
+    compute(&mut s, &out);
+    // Fewer waiting prompts than free places: nothing more would come by waiting.
+    s.finish(10, FinishReason::Length);
+    s.finish(11, FinishReason::Length);
+    let out = s.schedule();
+    assert_eq!(admitted(&s, &out), vec![8, 8]);
+    assert_eq!(s.num_waiting(), 0);
 }

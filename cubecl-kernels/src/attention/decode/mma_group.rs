@@ -3,7 +3,7 @@
 //! padding), so scoring a key against all of them is part of one MMA instead of `G` dot products
 //! on CUDA cores (FlashInfer's choice for GQA decode).
 //!
-//! Launch geometry: one cube of `P` planes per (kv head, sequence, split). Plane `p` is an
+//! Launch geometry: one cube of `P` planes per (kv head, sequence, piece of its context). Plane `p` is an
 //! independent key stream: it takes the 16-key chunks `start + 16·(p + P·i)` of the split, stages
 //! each chunk's K and V rows in its own double-buffered shared region (`[16][D + 8]`, 16-byte
 //! vectors, one vector of padding per row against bank conflicts; the next chunk's global loads
@@ -19,7 +19,7 @@ use cubecl::prelude::*;
 use super::super::mma_tile::{
     KvStage, attend_stage, fetch_kv, finish_row_sums, load_q_fragments, put_kv, start_rows,
 };
-use super::write_merged;
+use super::{split_keys, write_merged};
 
 /// Comptime part of the launch.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
@@ -30,8 +30,6 @@ pub struct MmaGroupConfig {
     pub kv_heads: usize,
     /// Planes (key streams) per cube.
     pub planes: usize,
-    /// The context is split across cubes (their number is the grid's z extent).
-    pub split: bool,
 }
 
 impl MmaGroupConfig {
@@ -77,15 +75,15 @@ pub fn paged_decode_mma<F: Float, NV: Size>(
     part_stats: &mut Tensor<f32>,
     scale: f32,
     block_size: usize,
-    split_len: usize,
+    min_keys: usize,
     #[comptime] cfg: MmaGroupConfig,
     #[define(F)] _dtype: ElemType,
 ) {
     let def = MmaDefinition::<F, F, f32>::new(16usize, 8usize, 16usize);
     let size!(NP) = def.vector_size(MatrixIdent::A);
     let kvh = CUBE_POS_X as usize;
-    let seq = CUBE_POS_Y as usize;
-    let split = CUBE_POS_Z as usize;
+    let keys = split_keys(context_lens, min_keys, comptime!(cfg.step()));
+    let (seq, start, end) = (keys.seq, keys.start, keys.end);
     let plane = PLANE_POS as usize;
     let lane = UNIT_POS_PLANE as usize;
     let g = lane / 4;
@@ -94,13 +92,6 @@ pub fn paged_decode_mma<F: Float, NV: Size>(
     let dtiles = comptime!(cfg.head_dim / 8);
     let st = comptime!(cfg.stage());
     let chunk = comptime!(st.len()); // one stage, in vectors
-    let ctx = context_lens[seq] as usize;
-    // A padding row of a captured step (no sequence): nothing to read or write.
-    if ctx == 0 {
-        terminate!();
-    }
-    let start = split * split_len;
-    let end = min(ctx, start + split_len);
     let table_row = seq * block_tables.stride(0);
 
     // Per plane: two K and two V stages.
@@ -236,10 +227,10 @@ pub fn paged_decode_mma<F: Float, NV: Size>(
         out,
         part_acc,
         part_stats,
+        keys,
         cfg.planes,
         cfg.group,
         cfg.head_dim,
         cfg.kv_heads,
-        cfg.split,
     );
 }

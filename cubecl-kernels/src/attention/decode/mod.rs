@@ -14,8 +14,19 @@
 //! - [`wide_group`] for wide groups elsewhere: the group's queries in shared memory, one unit per
 //!   key, cube reductions per chunk of keys.
 //!
-//! With one split a cube normalises and writes `out [B, heads, D]`; otherwise it writes its
-//! unnormalised accumulator, max and sum to a workspace and [`combine_splits`] merges them.
+//! Context splits ([`split_keys`], the grid's z extent `S` is the most pieces of a sequence):
+//! when batch × kv heads is too small to fill the device, each sequence's context is cut into
+//! `n = clamp(ceil(ctx / min_keys), 1, S)` pieces of equal length (rounded up to the kernel's
+//! key step) from its own context length on the device, so that one launch — and one captured
+//! graph, sized for `max_model_len` — serves any context: cubes past a sequence's last piece
+//! exit at once, and the combine reads only the pieces that exist (a batch-1 graph used to run
+//! all 64 pieces of a 4k bound and combine them). A sequence in one piece is normalised and
+//! written to `out [B, heads, D]` by its cube; otherwise each piece writes its unnormalised
+//! accumulator, max and sum to a workspace and [`combine_splits`] merges them. A batch that
+//! fills the device alone is not split: pieces of at least 1,024 keys for its long contexts
+//! (`BURN_NANOVLLM_DECODE_SPLIT_KEYS`, so that one long sequence among short ones would not set
+//! the launch's time) measured 1–2 % slower end to end and 5 % at 256 × 16k on the H100
+//! (docs/BENCHMARKS.md).
 
 mod mma_group;
 mod row_split;
@@ -37,28 +48,124 @@ const MMA_PLANES: usize = 4;
 /// Most context splits of one (sequence, kv head); the combine walks them serially.
 const MAX_SPLITS: usize = 64;
 
-/// Combines the splits: `out = Σ_s acc_s·e^(m_s − M) / Σ_s l_s·e^(m_s − M)`.
+/// The keys of one cube's piece of its sequence's context: `start..end` of piece `split` of
+/// `splits`, sequence `seq` (the grid's y).
+#[derive(CubeType, Clone, Copy)]
+pub(super) struct SplitKeys {
+    pub seq: usize,
+    pub split: usize,
+    pub splits: usize,
+    pub start: usize,
+    pub end: usize,
+}
+
+/// Pieces of a context of `ctx` keys and their length: `(splits, len)` with `len` a multiple
+/// of `step`, `splits · len ≥ ctx` and no empty piece (module doc).
+#[cube]
+pub(super) fn split_plan(
+    ctx: usize,
+    min_keys: usize,
+    max_splits: usize,
+    #[comptime] step: usize,
+) -> (usize, usize) {
+    let wanted = min(max(ctx.div_ceil(min_keys), 1usize), max_splits);
+    let len = ctx.div_ceil(wanted).div_ceil(step) * step;
+    (ctx.div_ceil(len), len)
+}
+
+/// The prologue of every decode kernel: this cube's piece of its sequence's context. Padding
+/// rows of a captured step (context 0) and cubes past the sequence's last piece exit here.
+#[cube]
+pub(super) fn split_keys(
+    context_lens: &Tensor<i32>,
+    min_keys: usize,
+    #[comptime] step: usize,
+) -> SplitKeys {
+    let seq = CUBE_POS_Y as usize;
+    let split = CUBE_POS_Z as usize;
+    let ctx = context_lens[seq] as usize;
+    if ctx == 0 {
+        terminate!();
+    }
+    let (splits, len) = split_plan(ctx, min_keys, CUBE_COUNT_Z as usize, step);
+    if split >= splits {
+        terminate!();
+    }
+    let start = split * len;
+    SplitKeys {
+        seq,
+        split,
+        splits,
+        start,
+        end: min(ctx, start + len),
+    }
+}
+
+/// Writes element `j` of head `h`'s result for piece `split` of `splits` of sequence `seq`
+/// ([`SplitKeys`]): normalised into `out [B, heads, D]` when the sequence is one piece, else
+/// the piece's partials `num`, `big` (max) and `den` (sum) for [`combine_splits`] (row
+/// `(seq · heads + h) · S + split`).
+#[cube]
+#[allow(clippy::too_many_arguments)]
+pub(super) fn write_piece<F: Float>(
+    out: &mut Tensor<F>,
+    part_acc: &mut Tensor<f32>,
+    part_stats: &mut Tensor<f32>,
+    seq: usize,
+    split: usize,
+    splits: usize,
+    h: usize,
+    j: usize,
+    num: f32,
+    big: f32,
+    den: f32,
+    #[comptime] heads: usize,
+    #[comptime] head_dim: usize,
+) {
+    if splits == 1 {
+        let at = seq * out.stride(0) + h * out.stride(1) + j;
+        out[at] = F::cast_from(num / den);
+    } else {
+        let row = (seq * heads + h) * (CUBE_COUNT_Z as usize) + split;
+        part_acc[row * head_dim + j] = num;
+        if j == 0 {
+            part_stats[row * 2] = big;
+            part_stats[row * 2 + 1] = den;
+        }
+    }
+}
+
+/// Combines the pieces of the sequences split in more than one:
+/// `out = Σ_s acc_s·e^(m_s − M) / Σ_s l_s·e^(m_s − M)`.
 ///
-/// Grid: one cube per (head, sequence); units over `D`. The number of splits is a runtime
-/// value, so that batches of any size and context share one compiled kernel. Rows with no
-/// context (padding) are skipped, as the attention kernels skip them.
+/// Grid: one cube per (head, sequence); units over `D`. `max_splits` (the attention grid's z
+/// extent), `min_keys` and `step` give each sequence's pieces as [`split_plan`] does. Rows with
+/// no context (padding) or in one piece (written by the attention kernel) are skipped.
 #[cube(launch_unchecked)]
+#[allow(clippy::too_many_arguments)]
 pub fn combine_splits<F: Float>(
     part_acc: &Tensor<f32>,
     part_stats: &Tensor<f32>,
     context_lens: &Tensor<i32>,
     out: &mut Tensor<F>,
-    splits: usize,
+    max_splits: usize,
+    min_keys: usize,
+    #[comptime] step: usize,
     #[comptime] heads: usize,
     #[comptime] head_dim: usize,
     #[define(F)] _dtype: ElemType,
 ) {
     let h = CUBE_POS_X as usize;
     let seq = CUBE_POS_Y as usize;
-    if context_lens[seq] == 0 {
+    let ctx = context_lens[seq] as usize;
+    if ctx == 0 {
         terminate!();
     }
-    let row0 = (seq * heads + h) * splits;
+    let (splits, _len) = split_plan(ctx, min_keys, max_splits, step);
+    if splits == 1 {
+        terminate!();
+    }
+    let row0 = (seq * heads + h) * max_splits;
     let mut big = f32::new(f32::NEG_INFINITY);
     for s in 0..splits {
         big = max(big, part_stats[(row0 + s) * 2]);
@@ -80,10 +187,8 @@ pub fn combine_splits<F: Float>(
 }
 
 /// Merges the states of a cube's key streams — `acc_s [streams][group][D]` (unnormalised
-/// outputs), `m_s`, `l_s [streams][group]` (running max and sum) — of one (kv head, sequence,
-/// split) and writes `out [B, heads, D]` (unsplit) or the split's partials for
-/// [`combine_splits`] (`is_split`: the grid's z extent is the number of splits). Units over
-/// `group × D`.
+/// outputs), `m_s`, `l_s [streams][group]` (running max and sum) — of one (kv head, piece)
+/// and writes them ([`write_piece`]). Units over `group × D`.
 #[cube]
 #[allow(clippy::too_many_arguments)]
 pub(super) fn write_merged<F: Float>(
@@ -93,15 +198,14 @@ pub(super) fn write_merged<F: Float>(
     out: &mut Tensor<F>,
     part_acc: &mut Tensor<f32>,
     part_stats: &mut Tensor<f32>,
+    keys: SplitKeys,
     #[comptime] streams: usize,
     #[comptime] group: usize,
     #[comptime] head_dim: usize,
     #[comptime] kv_heads: usize,
-    #[comptime] is_split: bool,
 ) {
     let kvh = CUBE_POS_X as usize;
-    let seq = CUBE_POS_Y as usize;
-    let split = CUBE_POS_Z as usize;
+    let (seq, split, splits) = (keys.seq, keys.split, keys.splits);
     let mut e = UNIT_POS_X as usize;
     while e < comptime!(group * head_dim) {
         let g = e / head_dim;
@@ -118,18 +222,21 @@ pub(super) fn write_merged<F: Float>(
             num += acc_s[(zz * group + g) * head_dim + j] * w;
             den += l_s[zz * group + g] * w;
         }
-        let h = kvh * group + g;
-        if comptime!(!is_split) {
-            let at = seq * out.stride(0) + h * out.stride(1) + j;
-            out[at] = F::cast_from(num / den);
-        } else {
-            let row = (seq * comptime!(group * kv_heads) + h) * (CUBE_COUNT_Z as usize) + split;
-            part_acc[row * head_dim + j] = num;
-            if j == 0 {
-                part_stats[row * 2] = big;
-                part_stats[row * 2 + 1] = den;
-            }
-        }
+        write_piece(
+            out,
+            part_acc,
+            part_stats,
+            seq,
+            split,
+            splits,
+            kvh * group + g,
+            j,
+            num,
+            big,
+            den,
+            comptime!(group * kv_heads),
+            head_dim,
+        );
         e += CUBE_DIM_X as usize;
     }
 }
@@ -171,7 +278,6 @@ pub(crate) fn paged_decode(
         planes: crate::knobs::Knobs::get()
             .decode_mma_planes
             .unwrap_or(MMA_PLANES),
-        split: false,
     };
     let kernel = if (WIDE_GROUP..=16).contains(&group)
         && mma.planes > 0
@@ -186,7 +292,6 @@ pub(crate) fn paged_decode(
             head_dim: d,
             kv_heads,
             cube_dim: caps.cube_units,
-            split: false,
             use_plane: caps.plane_ops,
         })
     } else {
@@ -199,7 +304,7 @@ pub(crate) fn paged_decode(
         Kernel::WideGroup(c) => (c.cube_dim, c.cube_dim),
         Kernel::RowSplit(c) => (c.units(), c.tile * c.streams),
     };
-    // Enough cubes to fill the device: split long contexts when batch × kv heads is small.
+    // Enough cubes to fill the device: split every context when batch × kv heads is small.
     let cubes = b * kv_heads;
     // Cubes per multiprocessor to aim for: the row-split kernel's small register-light cubes
     // stack (half the unit limit's worth); the wide-group kernel measured best at two (more
@@ -211,13 +316,17 @@ pub(crate) fn paged_decode(
     };
     let target = resident * caps.multiprocessors;
     let chunks = max_context.div_ceil(step).max(1);
-    let splits = if cubes >= target {
-        1
-    } else {
-        target.div_ceil(cubes).min(chunks).clamp(1, MAX_SPLITS)
+    let fill = target.div_ceil(cubes).min(chunks).clamp(1, MAX_SPLITS);
+    let (splits, min_keys) = match crate::knobs::Knobs::get().decode_split_keys {
+        // The batch (nearly) fills the device alone: one piece per sequence, unless the knob
+        // asks for pieces of at least `keys` (module doc).
+        Some(keys) if fill <= 2 && keys > 0 => {
+            let keys = keys.next_multiple_of(step);
+            (max_context.div_ceil(keys).clamp(1, MAX_SPLITS), keys)
+        }
+        _ if fill <= 2 => (1, max_context.max(1)),
+        _ => (fill, step),
     };
-    let split_len = chunks.div_ceil(splits) * step;
-    let splits = max_context.div_ceil(split_len).max(1);
     let rows = if splits > 1 { b * heads * splits } else { 1 };
     let workspace = |n: usize| {
         empty_device_dtype(
@@ -252,34 +361,20 @@ pub(crate) fn paged_decode(
                     part_stats.clone().into_tensor_arg(),
                     scale,
                     block_size,
-                    split_len,
+                    min_keys,
                     $cfg,
                     dtype_to_storage_type(dtype),
                 )
             };
         }
         match kernel {
-            Kernel::Mma(cfg) => launch!(
-                mma_group::paged_decode_mma::launch_unchecked,
-                mma_group::MmaGroupConfig {
-                    split: splits > 1,
-                    ..cfg
-                }
-            ),
-            Kernel::WideGroup(cfg) => launch!(
-                wide_group::paged_decode_wide_group::launch_unchecked,
-                wide_group::WideGroupConfig {
-                    split: splits > 1,
-                    ..cfg
-                }
-            ),
-            Kernel::RowSplit(cfg) => launch!(
-                row_split::paged_decode_row_split::launch_unchecked,
-                row_split::RowSplitConfig {
-                    split: splits > 1,
-                    ..cfg
-                }
-            ),
+            Kernel::Mma(cfg) => launch!(mma_group::paged_decode_mma::launch_unchecked, cfg),
+            Kernel::WideGroup(cfg) => {
+                launch!(wide_group::paged_decode_wide_group::launch_unchecked, cfg)
+            }
+            Kernel::RowSplit(cfg) => {
+                launch!(row_split::paged_decode_row_split::launch_unchecked, cfg)
+            }
         }
         if splits > 1 {
             combine_splits::launch_unchecked(
@@ -291,6 +386,8 @@ pub(crate) fn paged_decode(
                 context_lens.into_tensor_arg(),
                 out.clone().into_tensor_arg(),
                 splits,
+                min_keys,
+                step,
                 heads,
                 d,
                 dtype_to_storage_type(dtype),

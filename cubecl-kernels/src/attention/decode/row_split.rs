@@ -1,7 +1,7 @@
 //! Decode kernel for narrow query groups (Qwen3: 2 query heads per kv head, `head_dim` 128):
 //! a key row is split over plane lanes, each holding its slice of the query in registers.
 //!
-//! Launch geometry: one cube per (kv head, sequence, split); unit `tid = x + lanes·(y + G'·z)`.
+//! Launch geometry: one cube per (kv head, sequence, piece of its context); unit `tid = x + lanes·(y + G'·z)`.
 //! - `x < lanes`: the units that share one key row, each holding `head_dim / lanes` of the
 //!   query's elements in registers; their partial dot products meet through plane shuffles
 //!   (xor butterfly), so no cube-wide synchronisation happens while keys stream.
@@ -21,7 +21,7 @@
 use burn::tensor::DType;
 use cubecl::prelude::*;
 
-use super::write_merged;
+use super::{split_keys, write_merged};
 use crate::device_caps::DeviceCaps;
 
 /// Comptime part of the launch (see the module documentation for the unit layout).
@@ -41,8 +41,6 @@ pub struct RowSplitConfig {
     pub tile: usize,
     /// `block_size % tile == 0`: a stream's tile lies in one cache block.
     pub tile_in_block: bool,
-    /// The context is split across cubes (their number is the grid's z extent).
-    pub split: bool,
     /// Unroll the per-head and per-slot loops (GPUs: the arrays stay in registers).
     pub unroll: bool,
 }
@@ -68,13 +66,13 @@ pub fn paged_decode_row_split<F: Float, NV: Size>(
     part_stats: &mut Tensor<f32>,
     scale: f32,
     block_size: usize,
-    split_len: usize,
+    min_keys: usize,
     #[comptime] cfg: RowSplitConfig,
     #[define(F)] _dtype: ElemType,
 ) {
     let kvh = CUBE_POS_X as usize;
-    let seq = CUBE_POS_Y as usize;
-    let split = CUBE_POS_Z as usize;
+    let keys = split_keys(context_lens, min_keys, comptime!(cfg.tile * cfg.streams));
+    let (seq, start, end) = (keys.seq, keys.start, keys.end);
     let tid = UNIT_POS_X as usize;
     let d = cfg.head_dim;
     let nv = k_cache.vector_size();
@@ -88,13 +86,6 @@ pub fn paged_decode_row_split<F: Float, NV: Size>(
     let x = tid % lanes;
     let y = (tid / lanes) % ygroups;
     let z = tid / (lanes * ygroups);
-    let ctx = context_lens[seq] as usize;
-    // A padding row of a captured step (no sequence): nothing to read or write.
-    if ctx == 0 {
-        terminate!();
-    }
-    let start = split * split_len;
-    let end = min(ctx, start + split_len);
     let head0 = kvh * cfg.group + y * hpu;
 
     // This unit's slice of its heads' queries, f32, pre-scaled: [hpu][slots].
@@ -246,18 +237,18 @@ pub fn paged_decode_row_split<F: Float, NV: Size>(
         out,
         part_acc,
         part_stats,
+        keys,
         cfg.streams,
         cfg.group,
         cfg.head_dim,
         cfg.kv_heads,
-        cfg.split,
     );
 }
 
 /// Keys a stream loads per softmax update (8 measured better than 4 or 16 on the H100).
 const TILE_KEYS: usize = 8;
 
-/// The unit layout for `group` query heads per kv head of width `head_dim` (`splits` left at 1).
+/// The unit layout for `group` query heads per kv head of width `head_dim`.
 ///
 /// With plane shuffles, a key row of `head_dim / vector` 16-byte vectors is read by `lanes`
 /// units (a power of two within a plane, one vector each where it fits), each scoring all of the
@@ -313,7 +304,6 @@ pub(super) fn row_split_config(
         streams,
         tile,
         tile_in_block: block_size.is_multiple_of(tile),
-        split: false,
         unroll: caps.plane_ops,
     }
 }

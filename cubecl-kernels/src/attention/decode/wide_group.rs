@@ -1,7 +1,7 @@
 //! Decode kernel for wide query groups (Qwen2-0.5B: 7 query heads per kv head, `head_dim` 64):
 //! the group's queries live in shared memory and one unit scores a whole key against all of them.
 //!
-//! Launch geometry: one cube of `cube_dim` units per (kv head, sequence, split). The cube walks its
+//! Launch geometry: one cube of `cube_dim` units per (kv head, sequence, piece of its context). The cube walks its
 //! split in chunks of `cube_dim` keys:
 //! 1. unit `u` scores key `chunk + u` against the `G` queries (queries broadcast from shared
 //!    memory as f32, the key read as 16-byte vectors; scores → shared memory);
@@ -16,6 +16,8 @@
 
 use cubecl::prelude::*;
 
+use super::{split_keys, write_piece};
+
 /// Comptime part of the launch.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub struct WideGroupConfig {
@@ -23,8 +25,6 @@ pub struct WideGroupConfig {
     pub head_dim: usize,
     pub kv_heads: usize,
     pub cube_dim: usize,
-    /// The context is split across cubes (their number is the grid's z extent).
-    pub split: bool,
     pub use_plane: bool,
 }
 
@@ -131,13 +131,14 @@ pub fn paged_decode_wide_group<F: Float, NV: Size>(
     part_stats: &mut Tensor<f32>,
     scale: f32,
     block_size: usize,
-    split_len: usize,
+    min_keys: usize,
     #[comptime] cfg: WideGroupConfig,
     #[define(F)] _dtype: ElemType,
 ) {
     let kvh = CUBE_POS_X as usize;
-    let seq = CUBE_POS_Y as usize;
-    let split = CUBE_POS_Z as usize;
+    let keys = split_keys(context_lens, min_keys, cfg.cube_dim);
+    let (seq, split, splits) = (keys.seq, keys.split, keys.splits);
+    let (start, end) = (keys.start, keys.end);
     let tid = UNIT_POS_X as usize;
     let d = cfg.head_dim;
     let group = cfg.group;
@@ -149,13 +150,6 @@ pub fn paged_decode_wide_group<F: Float, NV: Size>(
     let slots = comptime!(PvSplit::new(dv, units).slots); // vectors of a key row per unit
     let keys_per_group = comptime!(PvSplit::new(dv, units).keys_per_group);
     let heads = comptime!(cfg.group * cfg.kv_heads);
-    let ctx = context_lens[seq] as usize;
-    // A padding row of a captured step (no sequence): nothing to read or write.
-    if ctx == 0 {
-        terminate!();
-    }
-    let start = split * split_len;
-    let end = min(ctx, start + split_len);
 
     // The group's queries, f32, [group][D].
     let mut q_s = Shared::<[f32]>::new_slice(comptime!(cfg.group * cfg.head_dim));
@@ -314,18 +308,21 @@ pub fn paged_decode_wide_group<F: Float, NV: Size>(
         for kg in 0..kgroups {
             a += red[(kg * group + g) * d + j];
         }
-        let h = kvh * group + g;
-        if comptime!(!cfg.split) {
-            let at = seq * out.stride(0) + h * out.stride(1) + j;
-            out[at] = F::cast_from(a / l_tot[g]);
-        } else {
-            let row = (seq * heads + h) * (CUBE_COUNT_Z as usize) + split;
-            part_acc[row * d + j] = a;
-            if j == 0 {
-                part_stats[row * 2] = m[g];
-                part_stats[row * 2 + 1] = l_tot[g];
-            }
-        }
+        write_piece(
+            out,
+            part_acc,
+            part_stats,
+            seq,
+            split,
+            splits,
+            kvh * group + g,
+            j,
+            a,
+            m[g],
+            l_tot[g],
+            heads,
+            cfg.head_dim,
+        );
         e += CUBE_DIM_X as usize;
     }
 }
