@@ -12,10 +12,11 @@
 //! whole, padded to the next size.
 //!
 //! Admission batching (an [`Admission`] policy; TGI's `waiting_served_ratio` and
-//! `max_waiting_tokens` in spirit): while at least half of `max_num_seqs` sequences decode and
-//! more prompts wait than there are free places, the waiting prompts are held back until the
-//! free places' prompts fill `min_tokens` prompt tokens, or the head of the queue has been held
-//! `max_wait_steps` steps. Prompts then arrive in a few larger mixed steps instead of one or two
+//! `max_waiting_tokens` in spirit): while at least half of `max_num_seqs` sequences decode, more
+//! prompts wait than there are free places and places keep freeing (one freed within the last
+//! [`STALL_STEPS`] steps), the waiting prompts are held back until the free places' prompts
+//! fill `min_tokens` prompt tokens, or the head of the queue has been held `max_wait_steps`
+//! steps. Prompts then arrive in a few larger mixed steps instead of one or two
 //! at a time in every step (a prefill chunk's tokens cost ~30 % more in a step of ~1,500 tokens
 //! than in one of ~7,000). A prompt already running goes on while the others wait (admitting
 //! beside every remainder of a cut prompt would start the trickle again).
@@ -39,6 +40,12 @@ pub struct SchedulerLimits {
     /// Most tokens computed in a step.
     pub max_num_batched_tokens: usize,
 }
+
+/// Steps without a freed place after which held prompts are admitted: nothing more is coming
+/// (the places left over after a wave of admissions, when equal lengths finish together).
+/// Places free about every step with varied lengths; requiring a freed place in every step
+/// cut the holds short (±90 %: 47.6k out tok/s against 48.5k on the H100).
+pub const STALL_STEPS: usize = 3;
 
 /// When waiting prompts are admitted while the batch is busy decoding (module doc).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -111,6 +118,10 @@ pub struct Scheduler {
     admission: Admission,
     /// Consecutive steps the waiting prompts have been held back.
     held_steps: usize,
+    /// Free places when the previous step was scheduled (after its admissions).
+    free_after_last: usize,
+    /// Consecutive steps in which no place freed.
+    stalled_steps: usize,
 }
 
 impl Scheduler {
@@ -128,6 +139,8 @@ impl Scheduler {
             max_prefill_chunks: usize::MAX,
             admission: Admission::IMMEDIATE,
             held_steps: 0,
+            free_after_last: 0,
+            stalled_steps: 0,
         }
     }
 
@@ -221,6 +234,12 @@ impl Scheduler {
             .iter()
             .filter(|id| self.seqs[id].num_new_tokens() == 1 && !self.seqs[id].final_token_pending)
             .count();
+        let places = self.limits.max_num_seqs.saturating_sub(self.running.len());
+        if places > self.free_after_last {
+            self.stalled_steps = 0;
+        } else {
+            self.stalled_steps += 1;
+        }
         let hold = self.holds_admissions(num_decoding);
         // Decodes first: the prefill chunks get what the running decodes leave.
         let mut prefill_budget = self
@@ -332,6 +351,7 @@ impl Scheduler {
                 chunks.push(scheduled);
             }
         }
+        self.free_after_last = self.limits.max_num_seqs.saturating_sub(self.running.len());
         out.num_decodes = decodes.len();
         out.seqs = decodes;
         out.seqs.extend(chunks);
@@ -346,9 +366,12 @@ impl Scheduler {
             max_wait_steps,
         } = self.admission;
         let places = self.limits.max_num_seqs.saturating_sub(self.running.len());
+        // Nothing more comes by waiting when places stopped freeing or every waiting prompt
+        // fits already.
         if min_tokens == 0
             || self.held_steps >= max_wait_steps
             || 2 * num_decoding < self.limits.max_num_seqs
+            || self.stalled_steps >= STALL_STEPS
             || self.waiting.len() <= places
         {
             return false;

@@ -4,7 +4,7 @@
 use std::collections::HashMap;
 use std::sync::Arc;
 
-use engine::scheduler::{Admission, Scheduler, SchedulerLimits, SchedulerOutput};
+use engine::scheduler::{Admission, STALL_STEPS, Scheduler, SchedulerLimits, SchedulerOutput};
 use engine::{BlockManager, FinishReason, SamplingParams, Sequence};
 use proptest::prelude::*;
 
@@ -187,53 +187,54 @@ fn a_busy_batch_admits_prompts_once_they_fill_the_token_threshold_or_waited_long
     });
     let mut s = Scheduler::new(
         SchedulerLimits {
-            max_num_seqs: 4,
-            max_num_batched_tokens: 64,
+            max_num_seqs: 12,
+            max_num_batched_tokens: 256,
         },
-        BlockManager::new(64, 4, false),
+        BlockManager::new(256, 4, false),
     )
     .with_admission(Admission {
-        min_tokens: 20,
-        max_wait_steps: 2,
+        min_tokens: 40,
+        max_wait_steps: 5,
     });
+    let step = |s: &mut Scheduler, finish: &[u64]| {
+        for &id in finish {
+            s.finish(id, FinishReason::Length);
+        }
+        let out = s.schedule();
+        let got = admitted(s, &out);
+        compute(s, &out);
+        got
+    };
+    let none = Vec::<usize>::new();
     // An idle batch admits at once.
-    for id in 0..4 {
+    for id in 0..12 {
         s.add(Sequence::new(id, vec![1, 2], params.clone(), 0));
     }
-    let out = s.schedule();
-    assert_eq!(admitted(&s, &out), vec![2; 4]);
-    compute(&mut s, &out);
-    for id in 10..16 {
-        s.add(Sequence::new(id, vec![3; 8], params.clone(), 0));
+    assert_eq!(step(&mut s, &[]), vec![2; 12]);
+    for id in 20..26 {
+        s.add(Sequence::new(id, vec![3; 4], params.clone(), 0));
     }
-    // One place, then two free: their prompts (8, 16 tokens) stay under 20 and wait.
-    s.finish(0, FinishReason::Length);
-    let out = s.schedule();
-    assert_eq!((out.num_decodes, admitted(&s, &out)), (3, vec![]));
-    compute(&mut s, &out);
-    s.finish(1, FinishReason::Length);
-    let out = s.schedule();
-    assert_eq!((out.num_decodes, admitted(&s, &out)), (2, vec![]));
-    compute(&mut s, &out);
-    // Three places: 24 tokens, all three prompts come in one step.
-    s.finish(2, FinishReason::Length);
-    let out = s.schedule();
-    assert_eq!((out.num_decodes, admitted(&s, &out)), (1, vec![8, 8, 8]));
-    compute(&mut s, &out);
-    // One place again: held for `max_wait_steps` steps, then admitted alone.
-    s.finish(3, FinishReason::Length);
-    for _ in 0..2 {
-        let out = s.schedule();
-        assert_eq!((out.num_decodes, admitted(&s, &out)), (3, vec![]));
-        compute(&mut s, &out);
+    for id in 30..34 {
+        s.add(Sequence::new(id, vec![4; 30], params.clone(), 0));
     }
-    let out = s.schedule();
-    assert_eq!((out.num_decodes, admitted(&s, &out)), (3, vec![8]));
-    compute(&mut s, &out);
-    // Fewer waiting prompts than free places: nothing more would come by waiting.
-    s.finish(10, FinishReason::Length);
-    s.finish(11, FinishReason::Length);
-    let out = s.schedule();
-    assert_eq!(admitted(&s, &out), vec![8, 8]);
+    // A place frees every step; the free places' prompts (4 … 20 tokens) stay under 40 and
+    // wait, until the wait limit (5 steps) admits the six at 24 tokens.
+    for id in 0..5 {
+        assert_eq!(step(&mut s, &[id]), none);
+    }
+    assert_eq!(step(&mut s, &[5]), vec![4; 6]);
+    // 30 tokens wait; 60 pass the threshold.
+    assert_eq!(step(&mut s, &[6]), none);
+    assert_eq!(step(&mut s, &[7]), vec![30, 30]);
+    // Places stop freeing: after `STALL_STEPS` steps without one, what waits is admitted
+    // (before the wait limit).
+    assert_eq!(step(&mut s, &[8]), none);
+    for _ in 1..STALL_STEPS {
+        assert_eq!(step(&mut s, &[]), none);
+    }
+    const { assert!(STALL_STEPS < 5) };
+    assert_eq!(step(&mut s, &[]), vec![30]);
+    // Fewer waiting prompts than free places: at once.
+    assert_eq!(step(&mut s, &[9]), vec![30]);
     assert_eq!(s.num_waiting(), 0);
 }
