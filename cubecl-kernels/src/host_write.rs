@@ -11,7 +11,17 @@ use burn_cubecl::tensor::CubeTensor;
 use cubecl::bytes::Bytes;
 
 use crate::KernelError;
-use crate::ops::{HostInts, KernelOps};
+use crate::ops::KernelOps;
+
+/// Host values to write into a device buffer in place, `offset` elements in (see
+/// [`crate::write_ints`]).
+#[derive(Clone, Debug)]
+pub struct HostInts {
+    /// Where in the buffer the values go.
+    pub offset: usize,
+    /// The values.
+    pub values: std::sync::Arc<Vec<i32>>,
+}
 
 /// Writes `values` into `dst[offset..offset + values.len()]` (`dst`: `[n]` i32) in place. On
 /// CubeCL devices the buffer keeps its address (one host-to-device copy); elsewhere (no graphs

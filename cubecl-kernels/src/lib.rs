@@ -68,7 +68,7 @@ pub use device::DeviceKind;
 pub use device_read::{PendingInts, ReadSlot, read_ints_async};
 pub use error::KernelError;
 pub use gpu_timeline::{GpuMark, MarkSlot, mark_stream};
-pub use host_write::write_ints;
+pub use host_write::{HostInts, write_ints};
 pub use rms_norm_linear::{
     FusedRmsNormLinear, LinearRoute, add_rms_norm_linear, check_args, linear, linear_add,
     linear_route, rms_norm, rms_norm_linear,

@@ -1,8 +1,6 @@
 //! The custom Burn backend ops: one extension trait, implemented for CubeCL backends (the
 //! `Fusion` wrapper is generated: each op is an opaque deferred operation on the fusion stream).
 
-use std::sync::Arc;
-
 use burn::backend::fusion::custom::TensorSpec;
 use burn::backend::{
     Backend, backend_extension,
@@ -12,36 +10,13 @@ use burn::tensor::Shape;
 use burn_cubecl::CubeBackend;
 use burn_cubecl::kernel::into_contiguous;
 
-use crate::attention::{AttentionLaunch, QkvLayout, decode, prefill, store_kv};
+use crate::attention::{AttentionLaunch, AttentionPlan, QkvLayout, decode, prefill, store_kv};
 use crate::device_read::{self, ReadSlot};
 use crate::gpu_timeline::{self, MarkSlot};
-use crate::host_write;
-use crate::rms_norm_linear::launch as linear_launch;
+use crate::host_write::{self, HostInts};
+use crate::rms_norm_linear::{LinearOperands, launch as linear_launch};
 use crate::sampling;
 use crate::silu_mul::{self, SiluMulFlags};
-
-/// Host-side facts an attention launch needs besides its tensors (from
-/// [`crate::AttentionMetadata`]).
-#[derive(Clone, Copy, Debug, PartialEq)]
-pub struct AttentionPlan {
-    /// Softmax scale.
-    pub scale: f32,
-    /// With decode rows: the longest context their launch geometry covers (the context split
-    /// depends on it). `None`: no decode part (its tensors are placeholders).
-    pub decode_context_bound: Option<usize>,
-    /// With prefill chunks: queries per tile of the tile list. `None`: no prefill part.
-    pub prefill_tile_rows: Option<usize>,
-}
-
-/// Host values to write into a device buffer in place, `offset` elements in (see
-/// [`crate::write_ints`]).
-#[derive(Clone, Debug)]
-pub struct HostInts {
-    /// Where in the buffer the values go.
-    pub offset: usize,
-    /// The values.
-    pub values: Arc<Vec<i32>>,
-}
 
 /// Our fused ops as a Burn backend extension. Call them through the functions of this crate
 /// (which check arguments and fall back to plain Burn off CubeCL devices), not directly.
@@ -234,20 +209,6 @@ fn mark_stream_meta(anchor: &TensorSpec, _mark: &MarkSlot) -> TensorSpec {
 
 fn sample_meta(logits: &TensorSpec, _params_f: &TensorSpec, _params_u: &TensorSpec) -> TensorSpec {
     TensorSpec::new(Shape::new([logits.shape[0]]), burn::tensor::DType::I32)
-}
-
-/// Which optional operands of [`KernelOps::fused_linear`] are present.
-pub struct LinearOperands;
-
-impl LinearOperands {
-    /// `residual` is added to `x`.
-    pub const RESIDUAL: u32 = 1;
-    /// `gamma` is an RMSNorm weight.
-    pub const NORM: u32 = 2;
-    /// `bias` is added.
-    pub const BIAS: u32 = 4;
-    /// `residual` (`[M, N]`) is added to the output (exclusive with `RESIDUAL`).
-    pub const ADD_OUT: u32 = 8;
 }
 
 fn fused_linear_meta(

@@ -118,6 +118,121 @@ pub fn put_kv<F: Float, NV: Size>(
     }
 }
 
+/// The double-buffered K/V stream of both kernels: stages of `st.keys` keys starting at
+/// `first, first + stride, …` below `end`, attended to ([`attend_stage`]) in turn by the Q tile
+/// `qa`, while unit `unit`'s share of the next stage is in flight in registers ([`fetch_kv`])
+/// and stored after the compute ([`put_kv`]) into the other half of this stream's two stages at
+/// vector `own` of the shared K/V slices (`shared_len` vectors each, allocated here for the
+/// cube). `plane_stream`: the stream belongs to one plane (its barriers are plane barriers;
+/// decode, one stream per plane), else to the cube (prefill).
+#[cube]
+#[allow(clippy::too_many_arguments)]
+pub fn attend_kv_stream<F: Float, NV: Size, NP: Size>(
+    k_cache: &Tensor<Vector<F, NV>>,
+    v_cache: &Tensor<Vector<F, NV>>,
+    block_tables: &Tensor<i32>,
+    table_row: usize,
+    block_size: usize,
+    kvh: usize,
+    qa: &Array<Vector<F, NP>>,
+    o: &mut Array<Vector<f32, NP>>,
+    state: &mut Array<f32>,
+    first: usize,
+    end: usize,
+    own: usize,
+    unit: usize,
+    limit_a: usize,
+    limit_b: usize,
+    scale: f32,
+    #[comptime] st: KvStage,
+    #[comptime] stride: usize,
+    #[comptime] shared_len: usize,
+    #[comptime] plane_stream: bool,
+) {
+    let stage_len = comptime!(st.len());
+    let mut k_s = Shared::<[Vector<F, NV>]>::new_aligned_slice(shared_len, 16usize);
+    let mut v_s = Shared::<[Vector<F, NV>]>::new_aligned_slice(shared_len, 16usize);
+    let mut kr = Array::<Vector<F, NV>>::new(comptime!(st.per_unit()));
+    let mut vr = Array::<Vector<F, NV>>::new(comptime!(st.per_unit()));
+    fetch_kv(
+        k_cache,
+        v_cache,
+        block_tables,
+        table_row,
+        block_size,
+        kvh,
+        first,
+        end,
+        unit,
+        &mut kr,
+        &mut vr,
+        st,
+    );
+    put_kv(&mut k_s, &mut v_s, own, unit, &kr, &vr, st);
+    stream_barrier(plane_stream);
+    let mut k0 = first;
+    let mut buf = 0usize;
+    while k0 < end {
+        let next = k0 + stride;
+        let has_next = next < end;
+        if has_next {
+            fetch_kv(
+                k_cache,
+                v_cache,
+                block_tables,
+                table_row,
+                block_size,
+                kvh,
+                next,
+                end,
+                unit,
+                &mut kr,
+                &mut vr,
+                st,
+            );
+        }
+        attend_stage(
+            &k_s,
+            &v_s,
+            own + buf * stage_len,
+            qa,
+            o,
+            state,
+            k0,
+            limit_a,
+            limit_b,
+            scale,
+            st.keys,
+            st.head_dim,
+            shared_len,
+        );
+        if has_next {
+            put_kv(
+                &mut k_s,
+                &mut v_s,
+                own + (1 - buf) * stage_len,
+                unit,
+                &kr,
+                &vr,
+                st,
+            );
+        }
+        stream_barrier(plane_stream);
+        buf = 1 - buf;
+        k0 = next;
+    }
+}
+
+/// The barrier of a K/V stream's units: the plane's or the cube's.
+#[cube]
+fn stream_barrier(#[comptime] plane_stream: bool) {
+    if comptime!(plane_stream) {
+        sync_plane();
+    } else {
+        sync_cube();
+    }
+}
+
 /// Loads this lane's A fragments of Q: rows a and b start at `at_a` / `at_b` in `q` (zeros for
 /// an invalid row); pair `e` of k-step `s` is at columns `16s + 2t + 8·(e / 2)` of row a
 /// (`e` even) or b (`e` odd). `qa` has `4·D / 16` slots.

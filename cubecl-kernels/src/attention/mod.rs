@@ -23,7 +23,7 @@ pub use store_kv::QkvLayout;
 
 use crate::KernelError;
 use crate::device_caps::DeviceCaps;
-use crate::ops::{AttentionPlan, KernelOps};
+use crate::ops::KernelOps;
 use crate::row_scale::RowScale;
 
 /// Rotary tables: `cos`, `sin` `[max_positions, head_dim / 2]`, f32.
@@ -33,6 +33,19 @@ pub struct Rope<'a> {
     pub cos: &'a Tensor<2>,
     /// `sin(p · θ^(−2j/D))`.
     pub sin: &'a Tensor<2>,
+}
+
+/// Host-side facts an attention launch needs besides its tensors (from
+/// [`crate::AttentionMetadata`]).
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct AttentionPlan {
+    /// Softmax scale.
+    pub scale: f32,
+    /// With decode rows: the longest context their launch geometry covers (the context split
+    /// depends on it). `None`: no decode part (its tensors are placeholders).
+    pub decode_context_bound: Option<usize>,
+    /// With prefill chunks: queries per tile of the tile list. `None`: no prefill part.
+    pub prefill_tile_rows: Option<usize>,
 }
 
 /// Qwen3's per-head RMSNorm of queries and keys (weights `[head_dim]`).

@@ -20,7 +20,21 @@ use burn::backend::{Dispatch, DispatchDevice};
 use burn::tensor::{DType, Tensor};
 
 use crate::KernelError;
-use crate::ops::{KernelOps, LinearOperands};
+use crate::ops::KernelOps;
+
+/// Which optional operands of [`KernelOps::fused_linear`] are present.
+pub struct LinearOperands;
+
+impl LinearOperands {
+    /// `residual` is added to `x`.
+    pub const RESIDUAL: u32 = 1;
+    /// `gamma` is an RMSNorm weight.
+    pub const NORM: u32 = 2;
+    /// `bias` is added.
+    pub const BIAS: u32 = 4;
+    /// `residual` (`[M, N]`) is added to the output (exclusive with `RESIDUAL`).
+    pub const ADD_OUT: u32 = 8;
+}
 
 /// RMSNorm over the last dimension (statistics in f32). `x [M, K]`, `weight [K]` → `[M, K]`.
 pub fn rms_norm(x: Tensor<2>, weight: Tensor<1>, eps: f64) -> Tensor<2> {

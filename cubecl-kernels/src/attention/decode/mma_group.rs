@@ -17,7 +17,7 @@ use cubecl::cmma::{MatrixIdent, MmaDefinition};
 use cubecl::prelude::*;
 
 use super::super::mma_tile::{
-    KvStage, attend_stage, fetch_kv, finish_row_sums, load_q_fragments, put_kv, start_rows,
+    KvStage, attend_kv_stream, finish_row_sums, load_q_fragments, start_rows,
 };
 use super::{split_keys, write_merged};
 
@@ -91,15 +91,7 @@ pub fn paged_decode_mma<F: Float, NV: Size>(
     let group = cfg.group;
     let dtiles = comptime!(cfg.head_dim / 8);
     let st = comptime!(cfg.stage());
-    let chunk = comptime!(st.len()); // one stage, in vectors
     let table_row = seq * block_tables.stride(0);
-
-    // Per plane: two K and two V stages.
-    let stages = comptime!(2 * cfg.planes * st.len());
-    let mut k_s = Shared::<[Vector<F, NV>]>::new_aligned_slice(stages, 16usize);
-    let mut v_s = Shared::<[Vector<F, NV>]>::new_aligned_slice(stages, 16usize);
-    let mut kr = Array::<Vector<F, NV>>::new(comptime!(st.per_unit()));
-    let mut vr = Array::<Vector<F, NV>>::new(comptime!(st.per_unit()));
 
     // Q as A fragments: rows are the group's heads (g and g + 8; zeros past the group).
     let valid_a = g < group;
@@ -120,75 +112,29 @@ pub fn paged_decode_mma<F: Float, NV: Size>(
     let mut state = Array::<f32>::new(4usize);
     start_rows(&mut o, &mut state, cfg.head_dim);
 
-    let step = comptime!(16 * cfg.planes);
-    let mut base = start + plane * 16;
-    let mut buf = 0usize;
-    let own = plane * 2 * chunk;
-    fetch_kv(
+    // Per plane: its own two K and two V stages.
+    attend_kv_stream(
         k_cache,
         v_cache,
         block_tables,
         table_row,
         block_size,
         kvh,
-        base,
+        &qa,
+        &mut o,
+        &mut state,
+        start + plane * 16,
         end,
+        plane * comptime!(2 * st.len()),
         lane,
-        &mut kr,
-        &mut vr,
+        limit_a,
+        limit_b,
+        scale,
         st,
+        comptime!(cfg.step()),
+        comptime!(2 * cfg.planes * st.len()),
+        true,
     );
-    put_kv(&mut k_s, &mut v_s, own, lane, &kr, &vr, st);
-    sync_plane();
-    while base < end {
-        let next = base + step;
-        let has_next = next < end;
-        if has_next {
-            fetch_kv(
-                k_cache,
-                v_cache,
-                block_tables,
-                table_row,
-                block_size,
-                kvh,
-                next,
-                end,
-                lane,
-                &mut kr,
-                &mut vr,
-                st,
-            );
-        }
-        attend_stage(
-            &k_s,
-            &v_s,
-            own + buf * chunk,
-            &qa,
-            &mut o,
-            &mut state,
-            base,
-            limit_a,
-            limit_b,
-            scale,
-            16usize,
-            cfg.head_dim,
-            stages,
-        );
-        if has_next {
-            put_kv(
-                &mut k_s,
-                &mut v_s,
-                own + (1 - buf) * chunk,
-                lane,
-                &kr,
-                &vr,
-                st,
-            );
-        }
-        sync_plane();
-        buf = 1 - buf;
-        base = next;
-    }
 
     // Merge the planes: [planes][group][D] accumulators and [planes][group] (m, l).
     finish_row_sums(&mut state);

@@ -16,7 +16,7 @@ use cubecl::cmma::{MatrixIdent, MmaDefinition};
 use cubecl::prelude::*;
 
 use super::super::mma_tile::{
-    KvStage, attend_stage, fetch_kv, finish_row_sums, load_q_fragments, put_kv, start_rows,
+    KvStage, attend_kv_stream, finish_row_sums, load_q_fragments, start_rows,
 };
 
 /// Comptime part of the launch.
@@ -115,13 +115,6 @@ pub fn paged_prefill_mma<F: Float, NV: Size>(
     let last_key = prefix + q0 + rows;
     let table_row = seq * block_tables.stride(0);
 
-    // Two K and two V stages: stage `i + 1` is fetched while stage `i` is computed on.
-    let stage_len = comptime!(st.len());
-    let mut k_s = Shared::<[Vector<F, NV>]>::new_aligned_slice(comptime!(2 * stage_len), 16usize);
-    let mut v_s = Shared::<[Vector<F, NV>]>::new_aligned_slice(comptime!(2 * stage_len), 16usize);
-    let mut kr = Array::<Vector<F, NV>>::new(comptime!(st.per_unit()));
-    let mut vr = Array::<Vector<F, NV>>::new(comptime!(st.per_unit()));
-
     // This lane's rows of the tile; a row attends to keys up to its own position.
     let row_a = (plane % cfg.row_blocks) * 16 + g;
     let row_b = row_a + 8;
@@ -144,73 +137,29 @@ pub fn paged_prefill_mma<F: Float, NV: Size>(
     let mut state = Array::<f32>::new(4usize);
     start_rows(&mut o, &mut state, cfg.head_dim);
 
-    fetch_kv(
+    // Two K and two V stages: stage `i + 1` is fetched while stage `i` is computed on.
+    attend_kv_stream(
         k_cache,
         v_cache,
         block_tables,
         table_row,
         block_size,
         kvh,
+        &qa,
+        &mut o,
+        &mut state,
         0,
         last_key,
+        0,
         unit,
-        &mut kr,
-        &mut vr,
+        limit_a,
+        limit_b,
+        scale,
         st,
+        cfg.block_k,
+        comptime!(2 * st.len()),
+        false,
     );
-    put_kv(&mut k_s, &mut v_s, 0, unit, &kr, &vr, st);
-    sync_cube();
-    let mut k0 = 0usize;
-    let mut buf = 0usize;
-    while k0 < last_key {
-        let next = k0 + cfg.block_k;
-        let has_next = next < last_key;
-        if has_next {
-            fetch_kv(
-                k_cache,
-                v_cache,
-                block_tables,
-                table_row,
-                block_size,
-                kvh,
-                next,
-                last_key,
-                unit,
-                &mut kr,
-                &mut vr,
-                st,
-            );
-        }
-        attend_stage(
-            &k_s,
-            &v_s,
-            buf * stage_len,
-            &qa,
-            &mut o,
-            &mut state,
-            k0,
-            limit_a,
-            limit_b,
-            scale,
-            cfg.block_k,
-            cfg.head_dim,
-            comptime!(2 * stage_len),
-        );
-        if has_next {
-            put_kv(
-                &mut k_s,
-                &mut v_s,
-                (1 - buf) * stage_len,
-                unit,
-                &kr,
-                &vr,
-                st,
-            );
-        }
-        sync_cube();
-        buf = 1 - buf;
-        k0 = next;
-    }
 
     // Normalise and write.
     finish_row_sums(&mut state);
