@@ -75,6 +75,10 @@ struct Cli {
     /// into a busy batch (0: at once; default: the engine's).
     #[arg(long)]
     admission_tokens: Option<usize>,
+    /// Engine suites: most consecutive steps waiting prompts are held back (default: the
+    /// engine's).
+    #[arg(long)]
+    admission_wait_steps: Option<usize>,
     /// Engine suites (nano, throughput): CUDA events around every step's device work; the
     /// step profile then shows the device's busy and idle time per step (costs host time).
     #[arg(long)]
@@ -301,6 +305,9 @@ fn main() -> Result<()> {
                 enforce_eager: cli.enforce_eager,
                 async_scheduling: cli.sync_steps.then_some(false),
                 admission_min_tokens: cli.admission_tokens,
+                admission_max_wait_steps: cli
+                    .admission_wait_steps
+                    .unwrap_or(burn_nanovllm::EngineConfig::default().admission_max_wait_steps),
                 gpu_timeline: cli.gpu_timeline,
                 cuda_graph_sizes: (!cli.graph_sizes.is_empty()).then(|| cli.graph_sizes.clone()),
                 record_steps: true,
@@ -388,6 +395,7 @@ fn main() -> Result<()> {
             "enforce_eager": cli.enforce_eager,
             "sync_steps": cli.sync_steps,
             "admission_tokens": cli.admission_tokens,
+            "admission_wait_steps": cli.admission_wait_steps,
         });
         let ctx = record::RunContext::new(&cli.device, &format!("{dtype:?}"), engine);
         record::append(path, &ctx, &tables)?;

@@ -25,6 +25,11 @@
 #      BURN_NANOVLLM_DECODE_SPLIT_KEYS=0 (a full batch never splits: the kernels before), then
 #      the engine figures with both, at admission 0 / default / 8192 (split-*.log); FA3's
 #      decode and prefill beside them when dist-fa3/ travels (fa3.csv);
+#  11. admission sweep (`sweep`): ±90 % at --admission-tokens / --admission-wait-steps pairs
+#      and with decode pieces of 512 / 2048 keys, then equal lengths at the best (sweep.log);
+#  12. attention against FlashAttention-3 in one command (`fa3`, needs dist-fa3/ = a copy of
+#      ../shared/peers/fa3): FA3's decode and prefill script, then `benches decode prefill`
+#      (fa3.csv, attention.log);
 # SECTIONS (default "tests bench profile") picks which to run. Logs go to $OUT.
 set -uo pipefail
 cd "$(dirname "$0")/../.."
@@ -179,6 +184,30 @@ if [[ " $SECTIONS " == *" split "* && -x $B ]]; then
       env $keys timeout 150 $B latency --device cuda --batch-size 1 --input-len 512 --output-len 128 --iters 5 2>&1 | quiet | tail -3
     } 2>&1 | tee "$OUT/split-$k.log" | grep -E "^==|^qwen"
   done
+fi
+if [[ " $SECTIONS " == *" sweep "* && -x $B ]]; then
+  T="--device cuda --num-prompts 1000 --input-len 528 --output-len 136"
+  {
+    for aw in 8192,16 12288,16 16384,16 16384,32 24576,32; do
+      a=${aw%,*}; w=${aw#*,}
+      echo "== admission $a, wait $w, ±90 %"
+      timeout 200 $B throughput $T --random-range-ratio 0.9 --admission-tokens $a --admission-wait-steps $w 2>&1 | quiet | grep -E "^qwen"
+    done
+    for k in 512 2048; do
+      echo "== decode pieces of >= $k keys, ±90 %"
+      BURN_NANOVLLM_DECODE_SPLIT_KEYS=$k timeout 200 $B throughput $T --random-range-ratio 0.9 2>&1 | quiet | grep -E "^qwen"
+    done
+    for aw in 8192,16 16384,32; do
+      a=${aw%,*}; w=${aw#*,}
+      echo "== admission $a, wait $w, equal lengths"
+      timeout 200 $B throughput $T --admission-tokens $a --admission-wait-steps $w 2>&1 | quiet | grep -E "^qwen"
+    done
+  } 2>&1 | tee "$OUT/sweep.log"
+fi
+if [[ " $SECTIONS " == *" fa3 "* && -x $B && -d dist-fa3 ]]; then
+  bash dist-fa3/setup.sh >/dev/null && PYTHONPATH=/tmp/fa3site timeout 300 python3 dist-fa3/fa3_attention.py \
+    2>&1 | tee "$OUT/fa3.csv" | grep -E "^fa3_"
+  timeout 300 $B decode prefill --device cuda --ours-only 2>&1 | tee "$OUT/attention.log" | grep -E "^qwen|^model"
 fi
 if [[ " $SECTIONS " == *" replay "* && -x $B ]]; then
   echo "== bench.py (graph-replayed decode steps), host profile"

@@ -2,6 +2,12 @@
 //! over a variable-length batch whose keys live in a block-paged cache — prefill (any number of
 //! new tokens per sequence, over a cached prefix) and decode (one token per sequence, split
 //! across cubes for long contexts).
+//!
+//! The cache's block size is a comptime parameter of every attention kernel: a key's block and
+//! slot (`key / block_size`, `key % block_size`, per key or per 16-byte vector) are then shifts
+//! and masks, where a runtime block size made them integer divisions (on the H100, decode at 256
+//! × 16k with Qwen3's heads went from 8,060 to 5,607 µs, prefill 8–10 % faster). An engine has
+//! one block size, so this compiles one variant.
 
 pub(crate) mod decode;
 mod kv_cache;

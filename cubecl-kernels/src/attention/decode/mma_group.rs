@@ -74,7 +74,7 @@ pub fn paged_decode_mma<F: Float, NV: Size>(
     part_acc: &mut Tensor<f32>,
     part_stats: &mut Tensor<f32>,
     scale: f32,
-    block_size: usize,
+    #[comptime] block_size: usize,
     min_keys: usize,
     #[comptime] cfg: MmaGroupConfig,
     #[define(F)] _dtype: ElemType,

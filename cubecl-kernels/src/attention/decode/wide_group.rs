@@ -130,7 +130,7 @@ pub fn paged_decode_wide_group<F: Float, NV: Size>(
     part_acc: &mut Tensor<f32>,
     part_stats: &mut Tensor<f32>,
     scale: f32,
-    block_size: usize,
+    #[comptime] block_size: usize,
     min_keys: usize,
     #[comptime] cfg: WideGroupConfig,
     #[define(F)] _dtype: ElemType,

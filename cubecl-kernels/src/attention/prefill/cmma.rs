@@ -58,7 +58,7 @@ pub fn paged_prefill_cmma<F: Float, NV: Size>(
     tiles: &Tensor<i32>,
     out: &mut Tensor<Vector<F, NV>>,
     scale: f32,
-    block_size: usize,
+    #[comptime] block_size: usize,
     #[comptime] cfg: CmmaPrefillConfig,
     #[define(F)] _dtype: ElemType,
 ) {

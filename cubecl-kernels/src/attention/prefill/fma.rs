@@ -32,7 +32,7 @@ pub fn paged_prefill_fma<F: Float>(
     tiles: &Tensor<i32>,
     out: &mut Tensor<F>,
     scale: f32,
-    block_size: usize,
+    #[comptime] block_size: usize,
     #[comptime] cfg: PrefillConfig,
     #[define(F)] _dtype: ElemType,
 ) {

@@ -84,7 +84,7 @@ pub fn paged_prefill_mma<F: Float, NV: Size>(
     tiles: &Tensor<i32>,
     out: &mut Tensor<F>,
     scale: f32,
-    block_size: usize,
+    #[comptime] block_size: usize,
     #[comptime] cfg: MmaPrefillConfig,
     #[define(F)] _dtype: ElemType,
 ) {
