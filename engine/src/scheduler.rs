@@ -234,16 +234,16 @@ impl Scheduler {
             .iter()
             .filter(|id| self.seqs[id].num_new_tokens() == 1 && !self.seqs[id].final_token_pending)
             .count();
-        let places = self.limits.max_num_seqs.saturating_sub(self.running.len());
+        let places = self.free_places();
         if places > self.free_after_last {
             self.stalled_steps = 0;
         } else {
             self.stalled_steps += 1;
         }
-        let hold = self.holds_admissions(num_decoding);
+        let hold = self.holds_admissions(num_decoding, places);
         // Decodes first: the prefill chunks get what the running decodes leave.
         let mut prefill_budget = self
-            .step_budget(num_decoding, hold)
+            .step_budget(num_decoding, if hold { 0 } else { places })
             .saturating_sub(num_decoding);
         let mut i = 0;
         while i < self.running.len() {
@@ -351,21 +351,25 @@ impl Scheduler {
                 chunks.push(scheduled);
             }
         }
-        self.free_after_last = self.limits.max_num_seqs.saturating_sub(self.running.len());
+        self.free_after_last = self.free_places();
         out.num_decodes = decodes.len();
         out.seqs = decodes;
         out.seqs.extend(chunks);
         out
     }
 
+    /// Places in the batch no running sequence holds.
+    fn free_places(&self) -> usize {
+        self.limits.max_num_seqs.saturating_sub(self.running.len())
+    }
+
     /// True if this step holds the waiting prompts back ([`Admission`], module doc).
-    /// `num_decoding`: running sequences with one token to compute.
-    fn holds_admissions(&self, num_decoding: usize) -> bool {
+    /// `num_decoding`: running sequences with one token to compute; `places`: free places.
+    fn holds_admissions(&self, num_decoding: usize, places: usize) -> bool {
         let Admission {
             min_tokens,
             max_wait_steps,
         } = self.admission;
-        let places = self.limits.max_num_seqs.saturating_sub(self.running.len());
         // Nothing more comes by waiting when places stopped freeing or every waiting prompt
         // fits already.
         if min_tokens == 0
@@ -386,9 +390,10 @@ impl Scheduler {
     }
 
     /// Tokens the next step may compute: `max_num_batched_tokens`, or shaped to the step sizes
-    /// (module doc). `num_decoding`: running sequences with one token to compute; `hold`: the
-    /// waiting prompts are held back (they add nothing to the step's demand).
-    fn step_budget(&self, num_decoding: usize, hold: bool) -> usize {
+    /// (module doc). `num_decoding`: running sequences with one token to compute; `places`:
+    /// free places whose waiting prompts add to the step's demand (0 while admissions are
+    /// held).
+    fn step_budget(&self, num_decoding: usize, mut places: usize) -> usize {
         let max = self.limits.max_num_batched_tokens;
         let Some(&largest) = self.step_sizes.last() else {
             return max;
@@ -408,10 +413,6 @@ impl Scheduler {
             }
         }
         let bs = self.block_manager.block_size();
-        let mut places = self.limits.max_num_seqs.saturating_sub(self.running.len());
-        if hold {
-            places = 0;
-        }
         for id in &self.waiting {
             if places == 0 || demand >= cap || chunks >= self.max_prefill_chunks {
                 break;

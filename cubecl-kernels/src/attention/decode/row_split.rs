@@ -1,7 +1,8 @@
 //! Decode kernel for narrow query groups (Qwen3: 2 query heads per kv head, `head_dim` 128):
 //! a key row is split over plane lanes, each holding its slice of the query in registers.
 //!
-//! Launch geometry: one cube per (kv head, sequence, piece of its context); unit `tid = x + lanes·(y + G'·z)`.
+//! Launch geometry: one cube per (kv head, sequence, piece of its context); unit
+//! `tid = x + lanes·(y + G'·z)`.
 //! - `x < lanes`: the units that share one key row, each holding `head_dim / lanes` of the
 //!   query's elements in registers; their partial dot products meet through plane shuffles
 //!   (xor butterfly), so no cube-wide synchronisation happens while keys stream.
