@@ -5,7 +5,9 @@ use std::time::Instant;
 
 use anyhow::{Result, bail};
 use burn::tensor::{DType, Device};
-use burn_nanovllm::{EngineConfig, EngineStats, LLM, LLMEngine, Prompt, SamplingParams};
+use burn_nanovllm::{
+    EngineConfig, EngineStats, LLM, LLMEngine, Prompt, SamplingParams, StructuredOutput,
+};
 use model_qwen2::{Qwen2Config, Qwen2Model};
 use serde_json::json;
 
@@ -24,6 +26,26 @@ pub struct EngineSetup<'a> {
     pub engine: EngineConfig,
     /// Sample the host threads during the timed run (`--host-profile`).
     pub host_profile: bool,
+    /// With random weights: a folder holding the tokenizer.json to use (`--tokenizer`).
+    pub tokenizer: Option<&'a std::path::Path>,
+    /// bench.py: the fraction of requests constrained to [`bench_schema`] (`--json-fraction`).
+    pub json_fraction: f64,
+}
+
+/// The JSON schema of bench.py's constrained requests: a record of a few fields.
+pub fn bench_schema() -> serde_json::Value {
+    json!({
+        "type": "object",
+        "properties": {
+            "id": {"type": "integer"},
+            "name": {"type": "string", "maxLength": 200},
+            "email": {"type": "string", "maxLength": 200},
+            "tags": {"type": "array", "items": {"type": "string", "maxLength": 100}, "maxItems": 8},
+            "active": {"type": "boolean"},
+        },
+        "required": ["id", "name", "email", "tags", "active"],
+        "additionalProperties": false,
+    })
 }
 
 fn build(setup: &EngineSetup<'_>, device: &Device, dtype: DType) -> Result<LLM> {
@@ -38,7 +60,7 @@ pub fn build_engine(setup: &EngineSetup<'_>, device: &Device, dtype: DType) -> R
         Some(dir) => LLMEngine::new(dir, setup.engine.clone())?,
         None => {
             let model = Qwen2Model::dummy(setup.config.clone(), dtype, device);
-            LLMEngine::with_model(model, None, device.clone(), setup.engine.clone())?
+            LLMEngine::with_model(model, setup.tokenizer, device.clone(), setup.engine.clone())?
         }
     })
 }
@@ -62,16 +84,35 @@ pub fn nano(
     for w in &mut work {
         w.prompt.iter_mut().for_each(|t| *t %= vocab);
     }
-    let (wall, outs, before, stats) = warm_then_time(&mut llm, &work, setup.host_profile)?;
+    let json = setup.json_fraction;
+    let (wall, outs, before, stats) = warm_then_time(&mut llm, &work, json, setup.host_profile)?;
     print_step_profile(
         llm.engine().step_records(),
         &llm.engine().gpu_timeline()?,
         llm.engine().config().overlap(),
     );
+    // Constrained requests end with their JSON (or at max_tokens); the others at max_tokens.
+    let schema = jsonschema::validator_for(&bench_schema())?;
+    let mut invalid = 0;
+    for (i, o) in outs.iter().enumerate() {
+        if is_constrained(i, json) && o.finish_reason == burn_nanovllm::FinishReason::Stop {
+            let valid = o
+                .text
+                .as_deref()
+                .and_then(|t| serde_json::from_str(t).ok())
+                .is_some_and(|v| schema.is_valid(&v));
+            invalid += usize::from(!valid);
+        }
+    }
+    if invalid > 0 {
+        bail!("{invalid} constrained outputs do not validate against their schema");
+    }
     if let Some((o, w)) = outs
         .iter()
         .zip(&work)
-        .find(|(o, w)| o.token_ids.len() != w.max_tokens)
+        .enumerate()
+        .find(|(i, (o, w))| !is_constrained(*i, json) && o.token_ids.len() != w.max_tokens)
+        .map(|(_, p)| p)
     {
         bail!(
             "a request generated {} tokens instead of {} ({:?})",
@@ -81,8 +122,11 @@ pub fn nano(
         );
     }
     let prompt_tokens: usize = work.iter().map(|w| w.prompt.len()).sum();
-    let output_tokens: usize = work.iter().map(|w| w.max_tokens).sum();
+    let output_tokens: usize = outs.iter().map(|o| o.token_ids.len()).sum();
     let steps = stats.steps - before.steps;
+    let mask_steps = (stats.mask_steps - before.mask_steps).max(1) as f64;
+    let mask_ms = (stats.mask_time - before.mask_time).as_secs_f64() * 1e3 / mask_steps;
+    let masked_rows = (stats.masked_rows - before.masked_rows) as f64 / mask_steps;
     let ms_per_step = |d: std::time::Duration| d.as_secs_f64() * 1e3 / steps.max(1) as f64;
     let graph_steps = (stats.graph_steps - before.graph_steps).max(1);
     let per_graph = |d: std::time::Duration| d.as_secs_f64() * 1e3 / graph_steps as f64;
@@ -112,6 +156,10 @@ pub fn nano(
             "graph_replay_ms",
             "kv_blocks",
             "load_s",
+            "json_fraction",
+            "mask_steps",
+            "mask_ms_per_step",
+            "masked_rows_per_step",
         ],
     );
     report.row(vec![
@@ -144,8 +192,17 @@ pub fn nano(
         )),
         json!(limits.num_kv_blocks),
         json!(load_s),
+        json!(json),
+        json!(stats.mask_steps - before.mask_steps),
+        json!(mask_ms),
+        json!(masked_rows),
     ]);
     Ok(report)
+}
+
+/// True if request `i` of bench.py is constrained when `fraction` of them are (spread evenly).
+fn is_constrained(i: usize, fraction: f64) -> bool {
+    ((i + 1) as f64 * fraction).floor() > (i as f64 * fraction).floor()
 }
 
 /// The random workload of `throughput` and `latency`.
@@ -175,7 +232,7 @@ pub fn throughput(
         vocab,
         w.seed,
     );
-    let (wall, outs, before, stats) = warm_then_time(&mut llm, &work, setup.host_profile)?;
+    let (wall, outs, before, stats) = warm_then_time(&mut llm, &work, 0.0, setup.host_profile)?;
     print_graphs(llm.engine().limits());
     let records = llm.engine().step_records();
     let timed = records.len() - (stats.steps - before.steps) as usize;
@@ -261,7 +318,7 @@ pub fn latency(
         for i in 0..warmup + iters {
             // Greedy: the timed iterations repeat the same work (prefix caching would skip the
             // prompts after the first: it is turned off by the caller's engine options).
-            let (wall, _) = timed_generate(&mut llm, &work, 0.0)?;
+            let (wall, _) = timed_generate(&mut llm, &work, 0.0, 0.0)?;
             if i >= warmup {
                 times.push(wall);
             }
@@ -346,7 +403,7 @@ pub fn prefix(
         first.extend([1, 2, 3, 4]);
         llm.generate(&[Prompt::Tokens(first)], &SamplingParams::greedy(4))?;
         let before = llm.engine().stats();
-        let (wall, outs) = timed_generate(&mut llm, &work, 0.0)?;
+        let (wall, outs) = timed_generate(&mut llm, &work, 0.0, 0.0)?;
         let after = llm.engine().stats();
         let mut ttft: Vec<f64> = outs
             .iter()
@@ -382,10 +439,12 @@ pub fn prefix(
 }
 
 /// bench.py's protocol: one short warm-up generation, then one timed `generate` of `work` at
-/// temperature 0.6; the wall time, the completions, and the engine counters before and after.
+/// temperature 0.6 (`json_fraction` of it JSON-constrained); the wall time, the completions,
+/// and the engine counters before and after.
 fn warm_then_time(
     llm: &mut LLM,
     work: &[WorkItem],
+    json_fraction: f64,
     host_profile: bool,
 ) -> Result<(
     f64,
@@ -393,21 +452,26 @@ fn warm_then_time(
     EngineStats,
     EngineStats,
 )> {
-    llm.generate(
-        &[Prompt::Tokens(vec![33, 44, 55, 66])],
-        &SamplingParams::default(),
-    )?;
+    let warm = SamplingParams {
+        structured_output: (json_fraction > 0.0)
+            .then(|| StructuredOutput::JsonSchema(bench_schema())),
+        ..SamplingParams::default()
+    };
+    llm.generate(&[Prompt::Tokens(vec![33, 44, 55, 66])], &warm)?;
     let before = llm.engine().stats();
-    let (wall, outs) =
-        crate::host_profile::profile(host_profile, || timed_generate(llm, work, 0.6))?;
+    let (wall, outs) = crate::host_profile::profile(host_profile, || {
+        timed_generate(llm, work, 0.6, json_fraction)
+    })?;
     Ok((wall, outs, before, llm.engine().stats()))
 }
 
-/// One timed `generate` of a workload at `temperature` with `ignore_eos`.
+/// One timed `generate` of a workload at `temperature` with `ignore_eos`; `json_fraction` of the
+/// requests constrained to [`bench_schema`].
 fn timed_generate(
     llm: &mut LLM,
     work: &[WorkItem],
     temperature: f32,
+    json_fraction: f64,
 ) -> Result<(f64, Vec<burn_nanovllm::Completion>)> {
     let prompts: Vec<Prompt> = work
         .iter()
@@ -415,10 +479,13 @@ fn timed_generate(
         .collect();
     let params: Vec<SamplingParams> = work
         .iter()
-        .map(|w| SamplingParams {
+        .enumerate()
+        .map(|(i, w)| SamplingParams {
             temperature,
             ignore_eos: true,
             max_tokens: w.max_tokens,
+            structured_output: is_constrained(i, json_fraction)
+                .then(|| StructuredOutput::JsonSchema(bench_schema())),
             ..SamplingParams::default()
         })
         .collect();

@@ -91,6 +91,14 @@ struct Cli {
     /// run (needs the `host-profile` feature and an unstripped binary).
     #[arg(long)]
     host_profile: bool,
+    /// Engine suites over random weights: a folder whose tokenizer.json the engine uses
+    /// (structured outputs need one), e.g. `fixtures/qwen2-tokenizer`.
+    #[arg(long)]
+    tokenizer: Option<PathBuf>,
+    /// bench.py (`nano`): this fraction of the requests is constrained to a JSON schema of a
+    /// few fields (structured outputs; needs a tokenizer: `--model` or `--tokenizer`).
+    #[arg(long, default_value_t = 0.0)]
+    json_fraction: f64,
     /// Engine suites: sequences of the nano workload.
     #[arg(long, default_value_t = 256)]
     num_seqs: usize,
@@ -314,6 +322,8 @@ fn main() -> Result<()> {
                 ..burn_nanovllm::EngineConfig::default()
             },
             host_profile: cli.host_profile,
+            tokenizer: cli.tokenizer.as_deref(),
+            json_fraction: cli.json_fraction,
         };
         let workload = engine_bench::RandomWorkload {
             num_prompts: cli.num_prompts,
@@ -351,6 +361,8 @@ fn main() -> Result<()> {
                     dir: dir.as_deref(),
                     engine,
                     host_profile: false,
+                    tokenizer: None,
+                    json_fraction: 0.0,
                 };
                 engine_bench::build_engine(&setup, &engine_device, dtype)
                     .map_err(|e| burn_nanovllm::LlmError::Invalid(format!("{e:#}")))

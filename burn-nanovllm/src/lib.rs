@@ -27,7 +27,7 @@ pub use chat::chat_loop;
 pub use cubecl_kernels::DeviceKind;
 pub use engine::{
     EngineConfig, EngineStats, FinishReason, GpuStep, LLMEngine, RequestId, RequestMetrics,
-    RequestOutput, SamplingParams, StepRecord, TokenLogprobs,
+    RequestOutput, SamplingParams, StepRecord, StructuredOutput, TokenLogprobs,
 };
 pub use error::{LlmError, Result};
 pub use llm::{Completion, LLM, ParamsFor, Prompt};

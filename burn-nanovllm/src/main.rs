@@ -8,7 +8,9 @@ use anyhow::{Context, Result, bail};
 use burn::tensor::DType;
 use burn_nanovllm::hub::resolve_model;
 use burn_nanovllm::server::{Server, ServerConfig, shutdown_signal};
-use burn_nanovllm::{DeviceKind, EngineConfig, FinishReason, LLM, Prompt, SamplingParams};
+use burn_nanovllm::{
+    DeviceKind, EngineConfig, FinishReason, LLM, Prompt, SamplingParams, StructuredOutput,
+};
 use clap::{Args, Parser, Subcommand};
 
 #[derive(Parser)]
@@ -132,6 +134,21 @@ struct SamplingArgs {
     /// Print the log-probability of each token and this many alternatives.
     #[arg(long)]
     logprobs: Option<usize>,
+    /// Constrain the output to JSON valid under the JSON schema in this file.
+    #[arg(long, value_name = "FILE", group = "structured")]
+    json_schema: Option<PathBuf>,
+    /// Constrain the output to any JSON object.
+    #[arg(long, group = "structured")]
+    json_object: bool,
+    /// Constrain the output to this regular expression.
+    #[arg(long, group = "structured")]
+    regex: Option<String>,
+    /// Constrain the output to one of these strings (repeatable).
+    #[arg(long, group = "structured")]
+    choice: Vec<String>,
+    /// Constrain the output to the Lark grammar (llguidance's dialect) in this file.
+    #[arg(long, value_name = "FILE", group = "structured")]
+    grammar: Option<PathBuf>,
 }
 
 #[derive(Args)]
@@ -268,8 +285,31 @@ fn engine_config(model: &ModelArgs, e: &EngineArgs) -> EngineConfig {
     }
 }
 
-fn sampling_params(defaults: SamplingParams, s: &SamplingArgs) -> SamplingParams {
-    SamplingParams {
+/// The structured-output constraint of `--json-schema`, `--json-object`, `--regex`, `--choice`
+/// or `--grammar` (at most one of them: clap checks).
+fn structured_output(s: &SamplingArgs) -> Result<Option<StructuredOutput>> {
+    let read = |path: &PathBuf| {
+        std::fs::read_to_string(path).with_context(|| format!("reading {}", path.display()))
+    };
+    Ok(if let Some(path) = &s.json_schema {
+        let schema = serde_json::from_str(&read(path)?)
+            .with_context(|| format!("--json-schema {}: not JSON", path.display()))?;
+        Some(StructuredOutput::JsonSchema(schema))
+    } else if s.json_object {
+        Some(StructuredOutput::JsonObject)
+    } else if let Some(rx) = &s.regex {
+        Some(StructuredOutput::Regex(rx.clone()))
+    } else if !s.choice.is_empty() {
+        Some(StructuredOutput::Choice(s.choice.clone()))
+    } else if let Some(path) = &s.grammar {
+        Some(StructuredOutput::Grammar(read(path)?))
+    } else {
+        None
+    })
+}
+
+fn sampling_params(defaults: SamplingParams, s: &SamplingArgs) -> Result<SamplingParams> {
+    Ok(SamplingParams {
         temperature: s.temperature.unwrap_or(defaults.temperature),
         top_p: s.top_p.unwrap_or(defaults.top_p),
         top_k: s.top_k.unwrap_or(defaults.top_k),
@@ -283,8 +323,9 @@ fn sampling_params(defaults: SamplingParams, s: &SamplingArgs) -> SamplingParams
         stop: s.stop.clone(),
         ignore_eos: s.ignore_eos,
         logprobs: s.logprobs,
+        structured_output: structured_output(s)?,
         ..defaults
-    }
+    })
 }
 
 /// Prompts from `--prompt` and `--prompts-file` (JSON lines: a string or `{"prompt": …}`).
@@ -323,7 +364,7 @@ fn generate(args: GenerateArgs) -> Result<()> {
     let texts = read_prompts(&args)?;
     let mut llm = load(&args.model, engine_config(&args.model, &args.engine))?;
     llm.set_progress(!args.no_progress);
-    let params = sampling_params(llm.engine().default_sampling_params(), &args.sampling);
+    let params = sampling_params(llm.engine().default_sampling_params(), &args.sampling)?;
     let prompts: Vec<Prompt> = texts
         .iter()
         .map(|t| {
@@ -384,7 +425,7 @@ fn generate(args: GenerateArgs) -> Result<()> {
 fn chat(args: ChatArgs) -> Result<()> {
     let mut llm = load(&args.model, engine_config(&args.model, &args.engine))?;
     llm.set_progress(false);
-    let params = sampling_params(llm.engine().default_sampling_params(), &args.sampling);
+    let params = sampling_params(llm.engine().default_sampling_params(), &args.sampling)?;
     eprintln!("chat: /reset clears the history, /exit or Ctrl-D ends");
     let stdin = std::io::stdin();
     burn_nanovllm::chat_loop(

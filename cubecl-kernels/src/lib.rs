@@ -35,6 +35,7 @@
 //! | [`linear_add`] | `x [M, K]`, `W [N, K]`, `b [N]`, `residual [M, N]` → `x·Wᵀ + b + residual` |
 //! | [`paged_attention`] | `q [T, heads, d]` over each sequence's cached context → `[T, heads, d]` |
 //! | [`sample`] | `logits [B, V]` (f32) → next tokens `[B]` (greedy, or seeded min-p/top-k/top-p draws) |
+//! | [`mask_logits`] | `logits [B, V]` (f32), `M` token bitmasks `[M, ⌈V/32⌉]` (u32) of rows `[M]` → disallowed tokens −∞, in place |
 //! | [`sample_into`] | as [`sample`], into the first `B` slots of an existing `i32` buffer, in place (the next step's graph reads them) |
 //! | [`write_ints`] | host `i32` values into a span of an existing device buffer, in place (graph inputs) |
 //! | [`mark_stream`] | a CUDA event on the device's stream behind everything enqueued (device timelines) |
@@ -76,7 +77,7 @@ pub use rms_norm_linear::{
 #[cfg(feature = "cuda")]
 pub use rms_norm_linear::{cublas_stream_ordered, cublas_unavailable_reason};
 pub use row_scale::{RowScale, fold_norm_gain};
-pub use sampling::{SamplingRow, sample, sample_into};
+pub use sampling::{SamplingRow, mask_logits, sample, sample_into};
 pub use silu_mul::silu_mul;
 
 use burn::backend::DispatchDevice;

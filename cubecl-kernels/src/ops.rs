@@ -119,6 +119,16 @@ pub trait KernelOps: Backend {
         out: IntTensor<Self>,
     ) -> IntTensor<Self>;
 
+    /// Sets the tokens of `logits [B, V]` (f32) rows `rows [M]` (u32) whose bit is clear in
+    /// `allowed [M, ⌈V/32⌉]` (u32) to −∞, in place when the buffer is not shared; returns the
+    /// logits (see [`crate::sampling::mask_logits`]).
+    #[fusion(meta = mask_logits_meta)]
+    fn mask_logits(
+        logits: FloatTensor<Self>,
+        allowed: IntTensor<Self>,
+        rows: IntTensor<Self>,
+    ) -> FloatTensor<Self>;
+
     /// Starts copying `src` (`[n]` i32, contiguous) to the host: the copy is enqueued on the
     /// device's stream when the op runs and its future left in `read` (see
     /// [`crate::read_ints_async`]). Returns `src`.
@@ -197,6 +207,10 @@ fn sample_into_meta(
     out: &TensorSpec,
 ) -> TensorSpec {
     out.clone()
+}
+
+fn mask_logits_meta(logits: &TensorSpec, _allowed: &TensorSpec, _rows: &TensorSpec) -> TensorSpec {
+    logits.clone()
 }
 
 fn read_ints_meta(src: &TensorSpec, _read: &ReadSlot) -> TensorSpec {
@@ -347,6 +361,14 @@ impl KernelOps for CubeBackend {
         out: IntTensor<Self>,
     ) -> IntTensor<Self> {
         sampling::launch::sample(logits, params_f, params_u, Some(out))
+    }
+
+    fn mask_logits(
+        logits: FloatTensor<Self>,
+        allowed: IntTensor<Self>,
+        rows: IntTensor<Self>,
+    ) -> FloatTensor<Self> {
+        sampling::launch::mask_logits(logits, allowed, rows)
     }
 
     fn read_ints(src: IntTensor<Self>, read: ReadSlot) -> IntTensor<Self> {

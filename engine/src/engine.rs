@@ -26,11 +26,12 @@ use crate::memory;
 use crate::model_runner::{FaultHook, ModelRunner};
 use crate::output::{EngineStats, GpuStep, RequestOutput, StepRecord};
 use crate::output_processor::OutputProcessor;
-use crate::sampler::{self, SamplerRow};
+use crate::sampler::{self, SamplerRow, TokenMasks};
 use crate::sampling_params::SamplingParams;
 use crate::scheduler::{Scheduler, SchedulerLimits, SchedulerOutput};
 use crate::sequence::{FinishReason, RequestId, Sequence};
 use crate::step::StepSeq;
+use crate::structured_output::{GrammarCompiler, StructuredOutputs};
 
 /// The engine's resolved limits.
 #[derive(Clone, Debug, PartialEq)]
@@ -73,6 +74,8 @@ pub struct LLMEngine {
     waited: Duration,
     /// With `gpu_timeline`: each recorded step's marks on the device's stream (start, end).
     gpu_marks: Vec<Option<(cubecl_kernels::GpuMark, cubecl_kernels::GpuMark)>>,
+    /// The constrained requests' grammars.
+    structured: StructuredOutputs,
 }
 
 /// A step enqueued on the device whose draws the host has not processed yet.
@@ -83,6 +86,17 @@ struct InFlight {
     row_of: HashMap<RequestId, usize>,
     /// The draws, on their way back.
     draws: sampler::Draws,
+}
+
+/// A step's forward pass, enqueued.
+struct Forward {
+    /// Logits of the rows that sample (`None` when none does).
+    logits: Option<Tensor<2>>,
+    /// The requests whose rows sample, in row order, with the position of the drawn token.
+    rows: Vec<(RequestId, usize)>,
+    /// The forward replayed a step graph.
+    graph: bool,
+    forwarded_at: Instant,
 }
 
 /// What the model part of a step enqueued.
@@ -204,7 +218,13 @@ impl LLMEngine {
             graph_failures: runner.graph_failures(),
             graph_captures: runner.graph_captures(),
         };
+        let structured = StructuredOutputs::new(
+            dir.map(|d| d.join("tokenizer.json")).filter(|p| p.exists()),
+            eos_token_ids.clone(),
+            model_config.vocab_size,
+        );
         Ok(Self {
+            structured,
             rng: StdRng::seed_from_u64(config.seed),
             generation_defaults: generation_defaults(&generation),
             config,
@@ -271,6 +291,14 @@ impl LLMEngine {
     /// stop strings.
     pub fn set_stream_text(&mut self, on: bool) {
         self.stream_text = on;
+    }
+
+    /// The compiler of structured outputs over this model's vocabulary (built on first use,
+    /// then shared): front ends compile a request's constraint with it before submitting, so an
+    /// invalid one is refused early and the engine's own compile is a cache hit. Fails when
+    /// the model folder has no `tokenizer.json`.
+    pub fn grammar_compiler(&mut self) -> Result<Arc<GrammarCompiler>> {
+        self.structured.compiler()
     }
 
     /// Runs `hook` before every forward (see [`FaultHook`]): tests inject device failures here.
@@ -363,6 +391,10 @@ impl LLMEngine {
             ));
         }
         self.check_prompt(&prompt)?;
+        let matcher = match &params.structured_output {
+            Some(constraint) => Some(self.structured.compiler()?.compile(constraint)?),
+            None => None,
+        };
         let bm = self.scheduler.block_manager();
         let needed = bm.blocks_for(prompt.len() + 1);
         if needed > bm.num_blocks() {
@@ -375,6 +407,9 @@ impl LLMEngine {
         }
         let id = self.next_id;
         self.next_id += 1;
+        if let Some(matcher) = matcher {
+            self.structured.insert(id, matcher);
+        }
         let seed = params.seed.unwrap_or_else(|| self.rng.random());
         // Text is tracked only where there is a tokenizer (stop strings without one were
         // refused above): token-id requests on such models stream ids alone.
@@ -443,6 +478,7 @@ impl LLMEngine {
             _ => return Err(EngineError::UnknownRequest(id)),
         }
         self.scheduler.finish(id, FinishReason::Abort);
+        self.structured.remove(id);
         let out = self
             .outputs
             .finished_output(&mut self.scheduler, id, Vec::new(), Vec::new());
@@ -489,7 +525,16 @@ impl LLMEngine {
         self.waited = Duration::ZERO;
         // A failure here leaves the device (and the KV cache) in an unknown state: it ends
         // every request and the engine. A panicking backend counts as such a failure.
-        let run = std::panic::catch_unwind(AssertUnwindSafe(|| self.run_model(&sched)));
+        let run = std::panic::catch_unwind(AssertUnwindSafe(|| self.run_forward(&sched)));
+        let forward = self.device_result(run)?;
+        let mut masks = TokenMasks::default();
+        if forward.rows.iter().any(|&(id, _)| self.structured.contains(id)) {
+            // Constrained rows' grammars must have seen the previous step's tokens: finish that
+            // step now, while the device runs this one's forward pass, then compute the masks.
+            outputs.extend(self.finish_in_flight()?);
+            masks = self.token_masks(&forward.rows, &mut outputs);
+        }
+        let run = std::panic::catch_unwind(AssertUnwindSafe(|| self.run_sampler(forward, &masks)));
         let ModelRun {
             in_flight,
             graph,
@@ -519,6 +564,9 @@ impl LLMEngine {
         }
         if !self.config.overlap() {
             outputs.extend(self.finish_in_flight()?);
+        }
+        for o in outputs.iter().filter(|o| o.finish_reason.is_some()) {
+            self.structured.remove(o.id);
         }
         let waited = self.waited;
         let end = Instant::now();
@@ -566,7 +614,10 @@ impl LLMEngine {
     fn hold_places(&mut self, in_flight: &InFlight) {
         let max_model_len = self.limits.max_model_len;
         for &(id, _) in &in_flight.rows {
-            let seq = self.scheduler.get_mut(id).expect("sampled sequence");
+            // A request that ended while its step's forward ran gets no placeholder.
+            let Some(seq) = self.scheduler.get_mut(id) else {
+                continue;
+            };
             seq.token_ids.push(0);
             seq.num_pending_tokens += 1;
             seq.final_token_pending = seq.num_output_tokens() >= seq.params.max_tokens
@@ -599,18 +650,39 @@ impl LLMEngine {
             }
             seq.token_ids[position] = sample.token_id;
             seq.num_pending_tokens -= 1;
+            let grammar_complete = match self.structured.get_mut(id) {
+                None => false,
+                Some(m) => match m.accept(sample.token_id) {
+                    Ok(()) => m.is_finished(),
+                    Err(e) => {
+                        let reason = FinishReason::Error(format!(
+                            "structured output: token {} breaks the constraint: {e}",
+                            sample.token_id
+                        ));
+                        self.scheduler.finish(id, reason);
+                        outputs.extend(self.outputs.finished_output(
+                            &mut self.scheduler,
+                            id,
+                            Vec::new(),
+                            Vec::new(),
+                        ));
+                        continue;
+                    }
+                },
+            };
             outputs.extend(self.outputs.accept_token(
                 &mut self.scheduler,
                 id,
                 position,
                 sample.logprobs,
+                grammar_complete,
             )?);
         }
         Ok(outputs)
     }
 
-    /// The step's forward pass and sampling, enqueued.
-    fn run_model(&mut self, sched: &SchedulerOutput) -> Result<ModelRun> {
+    /// The step's forward pass, enqueued.
+    fn run_forward(&mut self, sched: &SchedulerOutput) -> Result<Forward> {
         let prev = self.in_flight.as_ref();
         let seqs: Vec<StepSeq<'_>> = sched
             .seqs
@@ -652,25 +724,115 @@ impl LLMEngine {
                 )
             })
             .collect();
+        Ok(Forward {
+            logits,
+            rows,
+            graph,
+            forwarded_at,
+        })
+    }
+
+    /// The constrained rows' token masks for this step (their grammars have seen every
+    /// drawn token). A request whose grammar fails ends with the error (in `outputs`); its
+    /// row then allows every token, and its draw is dropped.
+    fn token_masks(
+        &mut self,
+        rows: &[(RequestId, usize)],
+        outputs: &mut Vec<RequestOutput>,
+    ) -> TokenMasks {
+        let start = Instant::now();
+        let live: Vec<(usize, RequestId)> = rows
+            .iter()
+            .enumerate()
+            .filter(|&(_, &(id, _))| self.scheduler.get(id).is_some_and(|s| !s.is_finished()))
+            .map(|(r, &(id, _))| (r, id))
+            .collect();
+        let (mut allowed, mask_rows, failed) = self.structured.masks(&live);
+        // End-of-sequence and stop tokens before `min_tokens` leave the mask, unless nothing
+        // else is left in it.
+        let words = self.model_config.vocab_size.div_ceil(32);
+        for (k, &r) in mask_rows.iter().enumerate() {
+            let seq = self.scheduler.get(rows[r as usize].0).expect("live sequence");
+            let banned = self.banned_tokens(seq);
+            let mask = &mut allowed[k * words..(k + 1) * words];
+            let mut kept = mask.to_vec();
+            for t in banned {
+                kept[t as usize / 32] &= !(1u32 << (t % 32));
+            }
+            if kept.iter().any(|&w| w != 0) {
+                mask.copy_from_slice(&kept);
+            }
+        }
+        for (id, e) in failed {
+            self.scheduler
+                .finish(id, FinishReason::Error(format!("structured output: {e}")));
+            self.structured.remove(id);
+            outputs.extend(self.outputs.finished_output(
+                &mut self.scheduler,
+                id,
+                Vec::new(),
+                Vec::new(),
+            ));
+        }
+        self.stats.mask_steps += 1;
+        self.stats.masked_rows += mask_rows.len() as u64;
+        self.stats.mask_time += start.elapsed();
+        TokenMasks {
+            allowed,
+            rows: mask_rows,
+        }
+    }
+
+    /// The step's sampling (constrained rows under `masks`), enqueued behind its forward.
+    fn run_sampler(&mut self, forward: Forward, masks: &TokenMasks) -> Result<ModelRun> {
+        let Forward {
+            logits,
+            rows,
+            graph,
+            forwarded_at,
+        } = forward;
         let draws = match logits {
             Some(logits) => {
-                let seqs: Vec<&Sequence> = rows
-                    .iter()
-                    .map(|(id, _)| self.scheduler.get(*id).expect("sampled sequence"))
-                    .collect();
-                let sampler_rows: Vec<SamplerRow<'_>> = seqs
-                    .iter()
-                    .map(|seq| SamplerRow {
-                        params: &seq.params,
-                        seed: seq.seed,
-                        prompt: &seq.token_ids[..seq.num_prompt_tokens],
-                        output: seq.output_token_ids(),
-                        banned: self.banned_tokens(seq),
+                // Requests that ended while the forward ran (the previous step finished early
+                // for structured outputs) draw a greedy token nobody reads.
+                let stand_in = SamplingParams::greedy(1);
+                // A constrained row's bans are in its mask already.
+                let banned: Vec<Vec<u32>> = (0..rows.len())
+                    .map(|r| match self.scheduler.get(rows[r].0) {
+                        Some(seq) if !masks.rows.contains(&(r as u32)) => self.banned_tokens(seq),
+                        _ => Vec::new(),
                     })
                     .collect();
-                let counters: Vec<u32> = seqs.iter().map(|s| s.num_tokens() as u32).collect();
-                let (draws, flush) =
-                    sampler::sample(logits, &sampler_rows, &counters, self.runner.draws())?;
+                let seqs: Vec<Option<&Sequence>> =
+                    rows.iter().map(|&(id, _)| self.scheduler.get(id)).collect();
+                let sampler_rows: Vec<SamplerRow<'_>> = seqs
+                    .iter()
+                    .zip(banned)
+                    .map(|(seq, banned)| match seq {
+                        Some(seq) => SamplerRow {
+                            params: &seq.params,
+                            seed: seq.seed,
+                            prompt: &seq.token_ids[..seq.num_prompt_tokens],
+                            output: seq.output_token_ids(),
+                            banned,
+                        },
+                        None => SamplerRow {
+                            params: &stand_in,
+                            seed: 0,
+                            prompt: &[],
+                            output: &[],
+                            banned,
+                        },
+                    })
+                    .collect();
+                let counters: Vec<u32> = rows.iter().map(|&(_, pos)| pos as u32).collect();
+                let (draws, flush) = sampler::sample(
+                    logits,
+                    &sampler_rows,
+                    masks,
+                    &counters,
+                    self.runner.draws(),
+                )?;
                 // Flushing the sampling to the device waits for it while the previous step's
                 // copy of the draws buffer (which this sampling rewrites) is pending.
                 self.waited += flush;
@@ -718,6 +880,7 @@ impl LLMEngine {
         }
         self.pending.clear();
         self.outputs.clear();
+        self.structured.clear();
         self.in_flight = None;
         self.failure = Some(cause.clone());
         EngineError::DeviceFailed(cause)
@@ -948,7 +1111,7 @@ fn warm_up_step(
         .collect();
     let mut draws =
         Tensor::<1, Int>::from_data(TensorData::new(vec![0i32; n], [n]), (device, DType::I32));
-    sampler::sample(logits, &rows, &vec![0; n], &mut draws)?
+    sampler::sample(logits, &rows, &TokenMasks::default(), &vec![0; n], &mut draws)?
         .0
         .wait()?;
     device

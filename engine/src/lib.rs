@@ -13,6 +13,7 @@
 //! | [`step`] | [`StepSeq`]: one sequence's part of a step; tokens fed from the last step's draws |
 //! | [`model_runner`] | [`ModelRunner`]: the flattened batch, the forward pass, step graphs |
 //! | [`sampler`] | penalties, the sampling kernel and log-probabilities |
+//! | [`structured_output`] | JSON schema, regex, choice and grammar constraints: token masks per row |
 //! | [`detokenizer`] | incremental text and stop strings |
 //! | `output_processor` | stop conditions and text of drawn tokens (one step behind, when overlapped) |
 //! | [`engine`] | [`LLMEngine`]: `add_request`, `step` (the step loop), `abort` |
@@ -34,6 +35,7 @@ pub mod sampling_params;
 pub mod scheduler;
 pub mod sequence;
 pub mod step;
+pub mod structured_output;
 
 pub use block_manager::BlockManager;
 pub use config::EngineConfig;
@@ -48,3 +50,4 @@ pub use sampling_params::SamplingParams;
 pub use scheduler::{Admission, Scheduler, SchedulerLimits, SchedulerOutput};
 pub use sequence::{FinishReason, RequestId, Sequence};
 pub use step::StepSeq;
+pub use structured_output::{GrammarCompiler, GrammarMatcher, StructuredOutput};

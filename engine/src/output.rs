@@ -74,6 +74,13 @@ pub struct EngineStats {
     pub prefill_time: Duration,
     /// Time spent in decode-only steps.
     pub decode_time: Duration,
+    /// Steps with structured-output rows.
+    pub mask_steps: u64,
+    /// Structured-output rows masked, over all steps.
+    pub masked_rows: u64,
+    /// Host time computing the structured-output rows' token masks (while the device runs
+    /// the step's forward pass).
+    pub mask_time: Duration,
 }
 
 /// A step's time on the device ([`crate::LLMEngine::gpu_timeline`]).

@@ -62,13 +62,15 @@ impl OutputProcessor {
     }
 
     /// Applies the stop conditions to the token drawn at `position` (in place already; later
-    /// entries are placeholders of draws in flight).
+    /// entries are placeholders of draws in flight). `grammar_complete`: the request's
+    /// structured output is complete with this token (it stops).
     pub(crate) fn accept_token(
         &mut self,
         scheduler: &mut Scheduler,
         id: RequestId,
         position: usize,
         logprobs: Option<TokenLogprobs>,
+        grammar_complete: bool,
     ) -> Result<Option<RequestOutput>> {
         let max_model_len = self.max_model_len;
         let seq = scheduler.get_mut(id).expect("sampled sequence");
@@ -92,6 +94,9 @@ impl OutputProcessor {
             if stopped && may_stop && reason.is_none() {
                 reason = Some(FinishReason::Stop);
             }
+        }
+        if reason.is_none() && grammar_complete {
+            reason = Some(FinishReason::Stop);
         }
         if reason.is_none() && (n_out >= params.max_tokens || position + 1 >= max_model_len) {
             reason = Some(FinishReason::Length);

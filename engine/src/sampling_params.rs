@@ -1,6 +1,7 @@
 //! Per-request sampling parameters and stop conditions (vLLM's `SamplingParams`).
 
 use crate::error::{EngineError, Result};
+use crate::structured_output::StructuredOutput;
 
 /// Most top-`n` log-probabilities a request may ask for.
 pub const MAX_LOGPROBS: usize = 20;
@@ -43,6 +44,9 @@ pub struct SamplingParams {
     pub logprobs: Option<usize>,
     /// Leave special tokens out of the text.
     pub skip_special_tokens: bool,
+    /// Constrain the output to a JSON schema, a regular expression, a choice or a grammar
+    /// (see [`crate::structured_output`]); the request ends when the constraint is complete.
+    pub structured_output: Option<StructuredOutput>,
 }
 
 impl Default for SamplingParams {
@@ -64,6 +68,7 @@ impl Default for SamplingParams {
             include_stop_str_in_output: false,
             logprobs: None,
             skip_special_tokens: true,
+            structured_output: None,
         }
     }
 }

@@ -13,4 +13,5 @@ mod engine {
     mod scheduler;
     mod shape_sweep;
     mod step_graphs;
+    mod structured;
 }

@@ -16,6 +16,13 @@ pub struct ChatMessage {
     pub role: String,
     /// The text of the turn.
     pub content: String,
+    /// An assistant turn's tool calls, as chat templates read them: `{"type": "function",
+    /// "function": {"name", "arguments"}}` with `arguments` a JSON object.
+    #[serde(skip_serializing_if = "Vec::is_empty")]
+    pub tool_calls: Vec<Value>,
+    /// A tool turn's answer to this call id, when the client gave one.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub tool_call_id: Option<String>,
 }
 
 impl ChatMessage {
@@ -24,6 +31,8 @@ impl ChatMessage {
         Self {
             role: role.into(),
             content: content.into(),
+            tool_calls: Vec::new(),
+            tool_call_id: None,
         }
     }
 }
@@ -135,6 +144,18 @@ impl Qwen2Tokenizer {
         messages: &[ChatMessage],
         add_generation_prompt: bool,
     ) -> Result<String> {
+        self.apply_chat_template_with_tools(messages, None, add_generation_prompt)
+    }
+
+    /// [`Qwen2Tokenizer::apply_chat_template`] with the tools the model may call (OpenAI's
+    /// `tools`: `[{"type": "function", "function": {"name", "description", "parameters"}}]`),
+    /// passed to the template as `tools` (Qwen's templates list them in the system turn).
+    pub fn apply_chat_template_with_tools(
+        &self,
+        messages: &[ChatMessage],
+        tools: Option<&Value>,
+        add_generation_prompt: bool,
+    ) -> Result<String> {
         let template = self.chat_template.as_deref().ok_or_else(|| {
             ModelError::Tokenizer("tokenizer_config.json has no chat_template".into())
         })?;
@@ -155,6 +176,7 @@ impl Qwen2Tokenizer {
             .and_then(|t| {
                 t.render(context! {
                     messages => messages,
+                    tools => tools,
                     add_generation_prompt => add_generation_prompt,
                     bos_token => self.bos_token.clone().unwrap_or_default(),
                     eos_token => self.eos_token.clone().unwrap_or_default(),

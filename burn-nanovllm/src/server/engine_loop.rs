@@ -48,6 +48,8 @@ pub struct ModelInfo {
     pub tokenizer: Option<Arc<Qwen2Tokenizer>>,
     pub defaults: SamplingParams,
     pub max_model_len: usize,
+    /// Structured outputs' compiler (`None` without a tokenizer).
+    pub grammars: Option<Arc<engine::GrammarCompiler>>,
 }
 
 /// The handlers' side of the engine thread.
@@ -96,6 +98,7 @@ impl EngineHandle {
                     tokenizer: engine.tokenizer().cloned(),
                     defaults: engine.default_sampling_params(),
                     max_model_len: engine.limits().max_model_len,
+                    grammars: engine.grammar_compiler().ok(),
                 };
                 if ready_tx.send(Ok(info)).is_ok() {
                     EngineThread {

@@ -9,6 +9,7 @@ mod metrics;
 mod protocol;
 mod routes;
 mod tokenize;
+mod tool_calls;
 
 use std::future::Future;
 use std::sync::Arc;

@@ -1,9 +1,12 @@
 //! The OpenAI request bodies of `/v1/completions` and `/v1/chat/completions` (one struct: the
-//! two share every sampling field), their checks, and their mapping to `SamplingParams`.
+//! two share every sampling field), their checks, and their mapping to `SamplingParams`;
+//! structured outputs (`response_format`, vLLM's `structured_outputs` and its older
+//! `guided_*` fields) and tools (`tools`, `tool_choice`) to a [`StructuredOutput`].
 
-use engine::SamplingParams;
+use engine::{SamplingParams, StructuredOutput};
 use model_qwen2::ChatMessage;
 use serde::Deserialize;
+use serde_json::{Value, json};
 
 use super::error::ApiError;
 
@@ -40,6 +43,88 @@ pub struct OpenAiRequest {
     pub skip_special_tokens: Option<bool>,
     pub include_stop_str_in_output: Option<bool>,
     pub echo: Option<bool>,
+    /// OpenAI: `{"type": "text" | "json_object" | "json_schema", "json_schema": {…}}`.
+    pub response_format: Option<ResponseFormat>,
+    /// vLLM: one of `json`, `regex`, `choice`, `grammar`, `json_object`.
+    pub structured_outputs: Option<StructuredOutputsIn>,
+    /// vLLM's fields before `structured_outputs` (removed there in 0.12; still sent by clients).
+    pub guided_json: Option<Value>,
+    pub guided_regex: Option<String>,
+    pub guided_choice: Option<Vec<String>>,
+    pub guided_grammar: Option<String>,
+    /// Chat: the functions the model may call.
+    pub tools: Option<Vec<ToolIn>>,
+    /// Chat: `none`, `auto` (the default with tools), `required`, or
+    /// `{"type": "function", "function": {"name": …}}`.
+    pub tool_choice: Option<Value>,
+}
+
+/// `response_format`.
+#[derive(Debug, Deserialize)]
+#[serde(tag = "type", rename_all = "snake_case")]
+pub enum ResponseFormat {
+    Text,
+    JsonObject,
+    JsonSchema { json_schema: JsonSchemaFormat },
+}
+
+/// `response_format.json_schema` (its `name`, `description` and `strict` are accepted and not
+/// needed: outputs always follow the schema strictly here).
+#[derive(Debug, Deserialize)]
+pub struct JsonSchemaFormat {
+    pub schema: Option<Value>,
+}
+
+/// vLLM's `structured_outputs`.
+#[derive(Debug, Default, Deserialize)]
+pub struct StructuredOutputsIn {
+    /// A JSON schema (an object, or its JSON text).
+    pub json: Option<Value>,
+    pub regex: Option<String>,
+    pub choice: Option<Vec<String>>,
+    pub grammar: Option<String>,
+    pub json_object: Option<bool>,
+}
+
+/// One entry of `tools`.
+#[derive(Clone, Debug, Deserialize, serde::Serialize)]
+pub struct ToolIn {
+    #[serde(rename = "type")]
+    pub kind: String,
+    pub function: FunctionIn,
+}
+
+/// A tool's function.
+#[derive(Clone, Debug, Deserialize, serde::Serialize)]
+pub struct FunctionIn {
+    pub name: String,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub description: Option<String>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub parameters: Option<Value>,
+}
+
+/// An assistant message's tool call.
+#[derive(Debug, Deserialize)]
+pub struct ToolCallIn {
+    pub id: Option<String>,
+    pub function: ToolCallFunctionIn,
+}
+
+/// The function of a tool call: `arguments` is JSON text.
+#[derive(Debug, Deserialize)]
+pub struct ToolCallFunctionIn {
+    pub name: String,
+    pub arguments: String,
+}
+
+/// What a chat request does with its tools.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum ToolMode {
+    /// No tools, or `tool_choice: none`: the reply is text.
+    Off,
+    /// The model may call tools: `<tool_call>` blocks in its output become `tool_calls`.
+    Parse,
 }
 
 /// `prompt`: a string, token ids, or a one-element list of either.
@@ -66,11 +151,14 @@ pub struct StreamOptions {
     pub include_usage: Option<bool>,
 }
 
-/// A chat message: `content` as a string or as text parts.
+/// A chat message: `content` as a string or as text parts; an assistant turn's `tool_calls`
+/// and a tool turn's `tool_call_id`.
 #[derive(Debug, Deserialize)]
 pub struct MessageIn {
     pub role: String,
     pub content: Option<ContentIn>,
+    pub tool_calls: Option<Vec<ToolCallIn>>,
+    pub tool_call_id: Option<String>,
 }
 
 /// Message content.
@@ -156,7 +244,7 @@ impl OpenAiRequest {
                 for (i, m) in messages.iter().enumerate() {
                     if !matches!(
                         m.role.as_str(),
-                        "system" | "user" | "assistant" | "developer"
+                        "system" | "user" | "assistant" | "developer" | "tool"
                     ) {
                         return Err(bad(
                             &format!("unsupported role `{}`", m.role),
@@ -187,7 +275,22 @@ impl OpenAiRequest {
                     } else {
                         &m.role
                     };
-                    out.push(ChatMessage::new(role, text));
+                    let mut message = ChatMessage::new(role, text);
+                    message.tool_call_id = m.tool_call_id.clone();
+                    // Templates read the arguments as an object.
+                    message.tool_calls = m
+                        .tool_calls
+                        .iter()
+                        .flatten()
+                        .map(|c| {
+                            let arguments = serde_json::from_str(&c.function.arguments)
+                                .unwrap_or_else(|_| Value::String(c.function.arguments.clone()));
+                            json!({"id": c.id, "type": "function", "function": {
+                                "name": c.function.name, "arguments": arguments,
+                            }})
+                        })
+                        .collect();
+                    out.push(message);
                 }
                 Ok(PromptSpec::Chat(out))
             }
@@ -281,8 +384,198 @@ impl OpenAiRequest {
             include_stop_str_in_output: self.include_stop_str_in_output.unwrap_or(false),
             logprobs,
             skip_special_tokens: self.skip_special_tokens.unwrap_or(true),
+            structured_output: None,
         };
         p.validate().map_err(ApiError::from)?;
         Ok((p, max_tokens))
+    }
+}
+
+/// The functions' JSON schema of a tool call in Qwen's format: `{"name": …, "arguments": …}`.
+fn tool_call_schema(tools: &[&ToolIn]) -> Value {
+    let calls: Vec<Value> = tools
+        .iter()
+        .map(|t| {
+            json!({
+                "type": "object",
+                "properties": {
+                    "name": {"const": t.function.name},
+                    "arguments": t.function.parameters.clone().unwrap_or(json!({"type": "object"})),
+                },
+                "required": ["name", "arguments"],
+                "additionalProperties": false,
+            })
+        })
+        .collect();
+    engine::structured_output::with_json_defaults(match calls.len() {
+        1 => calls.into_iter().next().expect("one call"),
+        _ => json!({"anyOf": calls}),
+    })
+}
+
+/// A Lark grammar of `<tool_call>` blocks (Qwen's chat format), each holding one call of
+/// `tools`: one block, or with `many` one or more.
+fn tool_call_grammar(tools: &[&ToolIn], many: bool) -> String {
+    let schema = tool_call_schema(tools);
+    let repeat = if many { " (\"\\n\" call)*" } else { "" };
+    format!("start: call{repeat}\ncall: \"<tool_call>\\n\" %json {schema} \"\\n</tool_call>\"\n")
+}
+
+impl OpenAiRequest {
+    /// The request's structured-output constraint and the field it came from, and what to do
+    /// with tool calls; at most one source of constraint per request.
+    pub fn structured_output(
+        &self,
+        endpoint: Endpoint,
+    ) -> Result<(Option<(StructuredOutput, String)>, ToolMode), ApiError> {
+        let bad = |m: String, p: &str| ApiError::bad_request(m, Some(p.to_string()));
+        let mut found: Vec<(StructuredOutput, String)> = Vec::new();
+        match &self.response_format {
+            None | Some(ResponseFormat::Text) => {}
+            Some(ResponseFormat::JsonObject) => {
+                found.push((StructuredOutput::JsonObject, "response_format".into()))
+            }
+            Some(ResponseFormat::JsonSchema { json_schema }) => {
+                let schema = json_schema
+                    .schema
+                    .clone()
+                    .unwrap_or(json!({"type": "object"}));
+                found.push((
+                    StructuredOutput::JsonSchema(schema),
+                    "response_format.json_schema.schema".into(),
+                ));
+            }
+        }
+        let schema_of = |v: &Value, field: &str| match v {
+            Value::String(text) => serde_json::from_str(text)
+                .map_err(|e| bad(format!("{field}: the JSON schema is not JSON: {e}"), field)),
+            v => Ok(v.clone()),
+        };
+        if let Some(so) = &self.structured_outputs {
+            if let Some(v) = &so.json {
+                let field = "structured_outputs.json";
+                found.push((StructuredOutput::JsonSchema(schema_of(v, field)?), field.into()));
+            }
+            if let Some(rx) = &so.regex {
+                found.push((StructuredOutput::Regex(rx.clone()), "structured_outputs.regex".into()));
+            }
+            if let Some(c) = &so.choice {
+                found.push((StructuredOutput::Choice(c.clone()), "structured_outputs.choice".into()));
+            }
+            if let Some(g) = &so.grammar {
+                found.push((StructuredOutput::Grammar(g.clone()), "structured_outputs.grammar".into()));
+            }
+            if so.json_object == Some(true) {
+                found.push((StructuredOutput::JsonObject, "structured_outputs.json_object".into()));
+            }
+        }
+        if let Some(v) = &self.guided_json {
+            found.push((StructuredOutput::JsonSchema(schema_of(v, "guided_json")?), "guided_json".into()));
+        }
+        if let Some(rx) = &self.guided_regex {
+            found.push((StructuredOutput::Regex(rx.clone()), "guided_regex".into()));
+        }
+        if let Some(c) = &self.guided_choice {
+            found.push((StructuredOutput::Choice(c.clone()), "guided_choice".into()));
+        }
+        if let Some(g) = &self.guided_grammar {
+            found.push((StructuredOutput::Grammar(g.clone()), "guided_grammar".into()));
+        }
+        let (tool_constraint, mode) = self.tool_constraint(endpoint)?;
+        found.extend(tool_constraint);
+        if found.len() > 1 {
+            let fields: Vec<&str> = found.iter().map(|(_, f)| f.as_str()).collect();
+            return Err(bad(
+                format!(
+                    "at most one structured-output constraint per request, got {}",
+                    fields.join(", ")
+                ),
+                &found[1].1,
+            ));
+        }
+        Ok((found.pop(), mode))
+    }
+
+    /// The constraint `tool_choice` implies (`required`, a named function) and the tool mode.
+    fn tool_constraint(
+        &self,
+        endpoint: Endpoint,
+    ) -> Result<(Option<(StructuredOutput, String)>, ToolMode), ApiError> {
+        let bad = |m: String, p: &str| ApiError::bad_request(m, Some(p.to_string()));
+        let tools = self.tools.as_deref().unwrap_or_default();
+        if endpoint == Endpoint::Completions && (!tools.is_empty() || self.tool_choice.is_some()) {
+            return Err(bad("tools are for /v1/chat/completions".into(), "tools"));
+        }
+        for (i, t) in tools.iter().enumerate() {
+            if t.kind != "function" {
+                return Err(bad(
+                    format!("unsupported tool type `{}`: only `function`", t.kind),
+                    &format!("tools[{i}].type"),
+                ));
+            }
+            if let Some(p) = &t.function.parameters
+                && !p.is_object()
+            {
+                return Err(bad(
+                    "parameters must be a JSON schema object".into(),
+                    &format!("tools[{i}].function.parameters"),
+                ));
+            }
+        }
+        let choice = self.tool_choice.clone().unwrap_or(match tools.is_empty() {
+            true => json!("none"),
+            false => json!("auto"),
+        });
+        let needs_tools = |what: &str| {
+            Err(bad(
+                format!("tool_choice `{what}` needs a non-empty `tools`"),
+                "tool_choice",
+            ))
+        };
+        match &choice {
+            Value::String(c) if c == "none" => Ok((None, ToolMode::Off)),
+            Value::String(c) if c == "auto" => match tools.is_empty() {
+                true => needs_tools("auto"),
+                false => Ok((None, ToolMode::Parse)),
+            },
+            Value::String(c) if c == "required" => match tools.is_empty() {
+                true => needs_tools("required"),
+                false => {
+                    let all: Vec<&ToolIn> = tools.iter().collect();
+                    let grammar = StructuredOutput::Grammar(tool_call_grammar(&all, true));
+                    Ok((Some((grammar, "tools".into())), ToolMode::Parse))
+                }
+            },
+            Value::Object(o) => {
+                let name = o
+                    .get("function")
+                    .and_then(|f| f.get("name"))
+                    .and_then(Value::as_str)
+                    .ok_or_else(|| {
+                        bad(
+                            "a named tool_choice is {\"type\": \"function\", \"function\": {\"name\": …}}"
+                                .into(),
+                            "tool_choice",
+                        )
+                    })?;
+                let tool = tools.iter().find(|t| t.function.name == name).ok_or_else(|| {
+                    bad(format!("tool_choice names `{name}`, which is not in tools"), "tool_choice")
+                })?;
+                let grammar = StructuredOutput::Grammar(tool_call_grammar(&[tool], false));
+                Ok((Some((grammar, "tools".into())), ToolMode::Parse))
+            }
+            other => Err(bad(
+                format!("tool_choice must be none, auto, required or a named function, got {other}"),
+                "tool_choice",
+            )),
+        }
+    }
+
+    /// The tools as the chat template takes them (`None` without tools).
+    pub fn template_tools(&self) -> Option<Value> {
+        self.tools
+            .as_ref()
+            .filter(|t| !t.is_empty())
+            .map(|t| serde_json::to_value(t).expect("tools serialize"))
     }
 }

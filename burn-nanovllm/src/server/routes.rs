@@ -21,8 +21,9 @@ use tokio_stream::wrappers::UnboundedReceiverStream;
 use super::engine_loop::{EngineHandle, Event};
 use super::error::ApiError;
 use super::metrics::render;
-use super::protocol::{Endpoint, OpenAiRequest, PromptSpec};
+use super::protocol::{Endpoint, OpenAiRequest, PromptSpec, ToolMode};
 use super::tokenize::{PromptTokenizer, release_free_memory};
+use super::tool_calls::{ToolCall, ToolCallStream, parse_tool_calls};
 
 /// Bodies above this size hand their memory back to the OS once answered.
 const RELEASE_AFTER_BYTES: usize = 1 << 20;
@@ -145,9 +146,15 @@ async fn run(
     let info = &s.engine.info;
     let (mut params, max_tokens) = req.sampling_params(endpoint, &info.defaults)?;
     let (stream, usage) = req.streaming();
+    let (constraint, tool_mode) = req.structured_output(endpoint)?;
+    if let Some((constraint, field)) = constraint {
+        check_constraint(&s, &constraint, field).await?;
+        params.structured_output = Some(constraint);
+    }
     let prompt = req.prompt(endpoint)?;
+    let tools = req.template_tools();
     drop(req);
-    let prompt = tokenize(prompt, &s).await?;
+    let prompt = tokenize(prompt, tools, &s).await?;
     let max_model_len = info.max_model_len;
     match max_tokens {
         None => params.max_tokens = max_model_len.saturating_sub(prompt.len()).max(1),
@@ -181,6 +188,7 @@ async fn run(
         model: s.model_name.clone(),
         state: s.clone(),
         num_prompt,
+        tool_mode,
     };
     if stream {
         Ok(reply.stream(rx, usage))
@@ -189,7 +197,42 @@ async fn run(
     }
 }
 
-async fn tokenize(prompt: PromptSpec, s: &AppState) -> Result<Vec<u32>, ApiError> {
+/// Compiles a request's constraint off the async workers (the engine's own compile is then a
+/// cache hit): an invalid schema, regex or grammar is a 400 naming `field`.
+async fn check_constraint(
+    s: &AppState,
+    constraint: &engine::StructuredOutput,
+    field: String,
+) -> Result<(), ApiError> {
+    let compiler = s.engine.info.grammars.clone().ok_or_else(|| {
+        ApiError::bad_request(
+            "structured outputs need the model's tokenizer.json, which this model lacks".into(),
+            Some(field.clone()),
+        )
+    })?;
+    let constraint = constraint.clone();
+    let compiled = tokio::task::spawn_blocking(move || compiler.compile(&constraint).map(drop))
+        .await
+        .map_err(|e| {
+            ApiError::new(
+                StatusCode::INTERNAL_SERVER_ERROR,
+                format!("compiling the constraint failed: {e}"),
+            )
+        })?;
+    compiled.map_err(|e| {
+        let message = match e {
+            engine::EngineError::InvalidParam { message, .. } => message,
+            other => other.to_string(),
+        };
+        ApiError::bad_request(format!("{field}: {message}"), Some(field))
+    })
+}
+
+async fn tokenize(
+    prompt: PromptSpec,
+    tools: Option<Value>,
+    s: &AppState,
+) -> Result<Vec<u32>, ApiError> {
     match prompt {
         PromptSpec::Tokens(ids) => Ok(ids),
         PromptSpec::Text(t) => s.tokenizer.encode(t, "prompt").await,
@@ -197,7 +240,7 @@ async fn tokenize(prompt: PromptSpec, s: &AppState) -> Result<Vec<u32>, ApiError
             let text = s
                 .tokenizer
                 .tokenizer("messages")?
-                .apply_chat_template(&messages, true)
+                .apply_chat_template_with_tools(&messages, tools.as_ref(), true)
                 .map_err(|e| ApiError::bad_request(e.to_string(), Some("messages".into())))?;
             drop(messages);
             s.tokenizer.encode(text, "messages").await
@@ -213,9 +256,24 @@ struct Reply {
     model: String,
     state: Shared,
     num_prompt: usize,
+    tool_mode: ToolMode,
 }
 
 impl Reply {
+    /// The id of the `index`-th tool call of this response.
+    fn call_id(&self, index: usize) -> String {
+        format!("call_{}_{index}", self.id)
+    }
+
+    /// The calls' OpenAI JSON, numbered from `first` (streaming deltas carry their index).
+    fn calls_json(&self, calls: &[ToolCall], first: usize, indexed: bool) -> Vec<Value> {
+        calls
+            .iter()
+            .enumerate()
+            .map(|(k, c)| c.to_json(&self.call_id(first + k), indexed.then_some(first + k)))
+            .collect()
+    }
+
     fn usage(&self, completion: usize) -> Value {
         json!({
             "prompt_tokens": self.num_prompt,
@@ -308,12 +366,22 @@ impl Reply {
                     "index": 0, "text": text, "logprobs": logprobs,
                     "finish_reason": reason.as_str(),
                 }),
-                Endpoint::ChatCompletions => json!({
-                    "index": 0,
-                    "message": {"role": "assistant", "content": text},
-                    "logprobs": logprobs,
-                    "finish_reason": reason.as_str(),
-                }),
+                Endpoint::ChatCompletions => {
+                    let (content, calls) = match self.tool_mode {
+                        ToolMode::Parse => parse_tool_calls(&text),
+                        ToolMode::Off => (Some(text), Vec::new()),
+                    };
+                    let mut message = json!({"role": "assistant", "content": content});
+                    let mut finish = reason.as_str();
+                    if !calls.is_empty() {
+                        message["tool_calls"] = json!(self.calls_json(&calls, 0, false));
+                        finish = "tool_calls";
+                    }
+                    json!({
+                        "index": 0, "message": message, "logprobs": logprobs,
+                        "finish_reason": finish,
+                    })
+                }
             };
             let object = match self.endpoint {
                 Endpoint::Completions => "text_completion",
@@ -352,6 +420,8 @@ impl Reply {
                 SseEvent::default().data(c.to_string())
             };
             let (mut tokens, mut offset, mut first) = (0usize, 0usize, true);
+            let mut tool_calls = (self.tool_mode == ToolMode::Parse).then(ToolCallStream::default);
+            let mut num_calls = 0;
             loop {
                 let ev = tokio::select! {
                     ev = rx.recv() => ev,
@@ -376,13 +446,27 @@ impl Reply {
                 let asked = !out.new_logprobs.is_empty();
                 let logprobs = self.logprobs(&out.new_logprobs, asked, offset);
                 offset += out.new_text.len();
-                let finish = Self::finish(&out.finish_reason);
+                let mut finish = Self::finish(&out.finish_reason);
                 let choice = match self.endpoint {
                     Endpoint::Completions => json!({
                         "index": 0, "text": out.new_text, "logprobs": logprobs, "finish_reason": finish,
                     }),
                     Endpoint::ChatCompletions => {
-                        let mut delta = json!({"content": out.new_text});
+                        let (mut content, mut calls) = (out.new_text.clone(), Vec::new());
+                        if let Some(parser) = tool_calls.as_mut() {
+                            (content, calls) = parser.push(&out.new_text);
+                            if out.finish_reason.is_some() {
+                                content.push_str(&parser.finish());
+                            }
+                        }
+                        let mut delta = json!({"content": content});
+                        if !calls.is_empty() {
+                            delta["tool_calls"] = json!(self.calls_json(&calls, num_calls, true));
+                            num_calls += calls.len();
+                        }
+                        if out.finish_reason.is_some() && num_calls > 0 {
+                            finish = json!("tool_calls");
+                        }
                         if first {
                             delta["role"] = json!("assistant");
                         }

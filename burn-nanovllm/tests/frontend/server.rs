@@ -21,8 +21,8 @@ use tokio::sync::oneshot;
 use tokio::task::JoinHandle;
 use tokio_stream::StreamExt;
 
-const MODEL: &str = "tiny";
-const KEY: &str = "sk-test";
+pub(super) const MODEL: &str = "tiny";
+pub(super) const KEY: &str = "sk-test";
 
 /// Real Qwen2 tokenizer and chat template, random weights.
 const TOKENIZED: &str = "qwen2-tiny-tied";
@@ -39,7 +39,7 @@ fn fixture() -> PathBuf {
     fixture_named(TOKENIZED)
 }
 
-fn engine_config() -> EngineConfig {
+pub(super) fn engine_config() -> EngineConfig {
     EngineConfig {
         device: DeviceKind::Cpu,
         dtype: Some(DType::F32),
@@ -52,7 +52,7 @@ fn engine_config() -> EngineConfig {
 }
 
 /// A server on 127.0.0.1 (a free port); dropping `stop` shuts it down.
-struct TestServer {
+pub(super) struct TestServer {
     base: String,
     _stop: oneshot::Sender<()>,
 }
@@ -67,7 +67,7 @@ async fn start_with(model: &'static str, config: ServerConfig) -> TestServer {
 }
 
 /// A server over the engine `make` builds, and the task that serves it.
-async fn spawn_server(
+pub(super) async fn spawn_server(
     make: impl FnOnce() -> Result<LLMEngine, burn_nanovllm::LlmError> + Send + 'static,
     config: ServerConfig,
 ) -> (TestServer, JoinHandle<std::io::Result<()>>) {
@@ -83,7 +83,7 @@ async fn spawn_server(
     (TestServer { base, _stop: stop }, serving)
 }
 
-fn config() -> ServerConfig {
+pub(super) fn config() -> ServerConfig {
     ServerConfig {
         model_name: MODEL.into(),
         api_key: Some(KEY.into()),
@@ -92,7 +92,7 @@ fn config() -> ServerConfig {
     }
 }
 
-fn client(s: &TestServer) -> Client<OpenAIConfig> {
+pub(super) fn client(s: &TestServer) -> Client<OpenAIConfig> {
     Client::with_config(
         OpenAIConfig::new()
             .with_api_base(format!("{}/v1", s.base))
@@ -117,7 +117,7 @@ async fn engine_text(prompt: Prompt, max_tokens: usize) -> String {
     .unwrap()
 }
 
-async fn post(s: &TestServer, path: &str, body: &str, key: Option<&str>) -> reqwest::Response {
+pub(super) async fn post(s: &TestServer, path: &str, body: &str, key: Option<&str>) -> reqwest::Response {
     post_at(&s.base, path, body, key).await
 }
 

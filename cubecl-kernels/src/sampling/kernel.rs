@@ -328,3 +328,19 @@ pub fn sample_rows(
         tokens[row] = token as i32;
     }
 }
+
+/// Structured outputs' token masks: cube `(c, r)` covers tokens `c·CUBE_DIM_X..` of
+/// `logits [B, V]` row `rows[r]`, one unit per token: bit `t mod 32` of word `t / 32` of
+/// `allowed [M, ⌈V/32⌉]` clear sets `logits[rows[r], t]` to −∞ (in place).
+#[cube(launch_unchecked)]
+pub fn mask_disallowed(logits: &mut Tensor<f32>, allowed: &Tensor<u32>, rows: &Tensor<u32>) {
+    let r = CUBE_POS_Y as usize;
+    let t = CUBE_POS_X as usize * CUBE_DIM_X as usize + UNIT_POS_X as usize;
+    if t < logits.shape(1) {
+        let word = allowed[r * allowed.stride(0) + t / 32];
+        if (word >> (t % 32) as u32) & 1u32 == 0u32 {
+            let at = rows[r] as usize * logits.stride(0) + t;
+            logits[at] = f32::new(f32::NEG_INFINITY);
+        }
+    }
+}

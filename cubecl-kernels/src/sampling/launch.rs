@@ -4,7 +4,7 @@ use burn::tensor::{DType, Shape};
 use burn_cubecl::{ops::numeric::empty_device_dtype, tensor::CubeTensor};
 use cubecl::prelude::{CubeCount, CubeDim};
 
-use super::kernel::{SampleConfig, sample_rows};
+use super::kernel::{SampleConfig, mask_disallowed, sample_rows};
 use crate::device_caps::DeviceCaps;
 
 /// Most units per cube: enough to keep a row's passes coalesced and in flight.
@@ -86,4 +86,55 @@ pub(crate) fn sample(
         );
     }
     out
+}
+
+/// Units per cube of [`mask_disallowed`]: one per token.
+const MASK_UNITS: u32 = 256;
+
+/// Launches [`mask_disallowed`] over `logits [B, V]` f32 (in place when the buffer is not
+/// shared, else on a copy): `allowed [M, ⌈V/32⌉]` u32 bitmasks of rows `rows [M]` u32 (each
+/// below `B`, checked by the caller).
+pub(crate) fn mask_logits(logits: CubeTensor, allowed: CubeTensor, rows: CubeTensor) -> CubeTensor {
+    let logits = crate::unit_inner_stride(logits);
+    let logits = if logits.can_mut() {
+        logits
+    } else {
+        logits.copy()
+    };
+    let (allowed, rows) = (
+        crate::unit_inner_stride(allowed),
+        crate::unit_inner_stride(rows),
+    );
+    let v = logits.meta.shape()[1];
+    let m = rows.meta.shape()[0];
+    assert!(
+        logits.dtype == DType::F32 && allowed.dtype == DType::U32 && rows.dtype == DType::U32,
+        "mask_logits: logits must be f32, allowed and rows u32 (got {:?}, {:?}, {:?})",
+        logits.dtype,
+        allowed.dtype,
+        rows.dtype
+    );
+    assert!(
+        allowed.meta.shape()[0] == m && allowed.meta.shape()[1] == v.div_ceil(32),
+        "mask_logits: {m} rows of a {v}-token vocabulary need [{m}, {}] words, got {:?}",
+        v.div_ceil(32),
+        allowed.meta.shape()
+    );
+    if m == 0 || v == 0 {
+        return logits;
+    }
+    // SAFETY: every unit checks its token against `V`; `allowed` has a word for every token
+    // of each of its `M` rows (checked above); `rows` holds `M` row indices below `B`.
+    let client = logits.client.clone();
+    unsafe {
+        mask_disallowed::launch_unchecked(
+            &client,
+            CubeCount::Static(v.div_ceil(MASK_UNITS as usize) as u32, m as u32, 1),
+            CubeDim::new_1d(MASK_UNITS),
+            logits.clone().into_tensor_arg(),
+            allowed.into_tensor_arg(),
+            rows.into_tensor_arg(),
+        );
+    }
+    logits
 }

@@ -8,6 +8,9 @@
 //! same tokens whatever else is in the batch, and a recomputed sequence redraws the same tokens.
 //! The filters apply in vLLM's order, each on what the previous kept: min-p, top-k, then top-p
 //! over the renormalised remainder; ties at a threshold are all kept.
+//!
+//! Structured outputs mask their rows first ([`mask_logits`]: a bitmask of allowed tokens per
+//! row, disallowed logits set to −∞ in place), so no filter or draw can pick a banned token.
 
 pub(crate) mod kernel;
 pub(crate) mod launch;
@@ -86,6 +89,57 @@ pub fn sample_into(
     }
     *out = sample_to(logits, rows, Some(out.clone()))?;
     Ok(())
+}
+
+/// Structured outputs' token masks: row `rows[r]` of `logits [B, V]` keeps only the tokens
+/// whose bit is set in `allowed[r·W..(r + 1)·W]` (`W = ⌈V/32⌉` u32 words; bit `t mod 32` of
+/// word `t / 32` is token `t`), every other one becomes −∞; rows not listed are untouched.
+/// Returns the logits as f32, masked in place on CubeCL devices when the buffer is not shared.
+pub fn mask_logits(
+    logits: Tensor<2>,
+    allowed: &[u32],
+    rows: &[u32],
+) -> Result<Tensor<2>, KernelError> {
+    let [b, v] = logits.dims();
+    let (m, words) = (rows.len(), v.div_ceil(32));
+    if allowed.len() != m * words {
+        return Err(KernelError::invalid(format!(
+            "mask_logits: {m} rows of a {v}-token vocabulary need {} words, got {}",
+            m * words,
+            allowed.len()
+        )));
+    }
+    if let Some(&r) = rows.iter().find(|&&r| r as usize >= b) {
+        return Err(KernelError::invalid(format!(
+            "mask_logits: row {r} of {b} rows of logits"
+        )));
+    }
+    let logits = logits.cast(FloatDType::F32);
+    if m == 0 {
+        return Ok(logits);
+    }
+    let device = logits.device();
+    if !crate::runs_kernels(&logits) {
+        let mut host = logits
+            .into_data()
+            .try_into_vec_as::<f32>()
+            .map_err(|e| KernelError::invalid(format!("mask_logits: {e:?}")))?;
+        reference::mask_logits(&mut host, v, allowed, rows);
+        return Ok(Tensor::from_data(
+            TensorData::new(host, [b, v]),
+            (&device, DType::F32),
+        ));
+    }
+    let allowed = Tensor::<2, Int>::from_data(
+        TensorData::new(allowed.to_vec(), [m, words]),
+        (&device, DType::U32),
+    );
+    let rows = Tensor::<1, Int>::from_data(TensorData::new(rows.to_vec(), [m]), (&device, DType::U32));
+    Ok(Tensor::from_dispatch(Dispatch::mask_logits(
+        logits.into_dispatch(),
+        allowed.into_dispatch(),
+        rows.into_dispatch(),
+    )))
 }
 
 /// [`sample`], into `out[..B]` when given.

@@ -204,3 +204,58 @@ fn tokens_land_in_a_standing_buffer_and_read_back_as_of_the_call() {
         "u32 sources are refused"
     );
 }
+
+/// Structured outputs' masks: the listed rows keep exactly their allowed tokens (the rest
+/// become −∞, as the host reference computes), unlisted rows are untouched, and the sampler
+/// then draws allowed tokens only, greedy and seeded alike.
+#[test]
+fn masked_rows_keep_only_their_allowed_tokens() {
+    let mut rng = rng("masked_rows_keep_only_their_allowed_tokens");
+    let device = kernel_device();
+    for vocab in [5, 32, 100, 1000] {
+        let (logits, rows) = cases(&mut rng, vocab);
+        let b = rows.len();
+        let words = vocab.div_ceil(32);
+        // Every other row, in a shuffled order; a few allowed tokens each (one for row 0).
+        let masked: Vec<u32> = [4, 0, 8, 2, 6, 10].into_iter().filter(|&r| r < b as u32).collect();
+        let mut allowed = vec![0u32; masked.len() * words];
+        for (k, &r) in masked.iter().enumerate() {
+            let n = if r == 0 { 1 } else { 1 + rng.random_range(0..vocab.min(9)) };
+            for _ in 0..n {
+                let t = rng.random_range(0..vocab);
+                allowed[k * words + t / 32] |= 1 << (t % 32);
+            }
+        }
+        let t = Tensor::<2>::from_data(
+            TensorData::new(logits.clone(), [b, vocab]),
+            (&device, DType::F32),
+        );
+        let got = cubecl_kernels::mask_logits(t, &allowed, &masked).unwrap();
+        let mut want = logits.clone();
+        reference::mask_logits(&mut want, vocab, &allowed, &masked);
+        let host: Vec<f32> = got.clone().into_data().try_into_vec_as::<f32>().unwrap();
+        assert_eq!(host, want, "V={vocab}: masked logits");
+        assert!(
+            host.iter().filter(|x| x.is_infinite()).count() > 0,
+            "V={vocab}: the masks removed nothing"
+        );
+        let drawn: Vec<i64> = cubecl_kernels::sample(got, &rows)
+            .unwrap()
+            .into_data()
+            .try_into_vec_as::<i64>()
+            .unwrap();
+        for (k, &r) in masked.iter().enumerate() {
+            let tok = drawn[r as usize] as usize;
+            assert!(
+                (allowed[k * words + tok / 32] >> (tok % 32)) & 1 == 1,
+                "V={vocab}: row {r} drew the disallowed token {tok}"
+            );
+        }
+    }
+    // Bad arguments are errors, not kernel faults.
+    let t = Tensor::<2>::zeros([2, 40], (&device, DType::F32));
+    let err = cubecl_kernels::mask_logits(t.clone(), &[0; 3], &[0]).unwrap_err();
+    assert!(err.to_string().contains("need 2 words"), "{err}");
+    let err = cubecl_kernels::mask_logits(t, &[0; 2], &[2]).unwrap_err();
+    assert!(err.to_string().contains("row 2 of 2"), "{err}");
+}

@@ -1,0 +1,359 @@
+//! Structured outputs (vLLM's `structured_output`): a request's output constrained to a JSON
+//! schema, any JSON object, a regular expression, a choice of strings or a Lark grammar,
+//! through `llguidance` over the model's vocabulary.
+//!
+//! Each constrained request holds a [`GrammarMatcher`]. Before a step samples, the engine asks
+//! every constrained row's matcher for its allowed tokens ([`fill_masks`]: in parallel, into
+//! one `[rows, ⌈V/32⌉]` u32 bitmask), uploads it, and the device sampler sets every other logit
+//! to −∞ before temperature and the filters (`cubecl_kernels::mask_logits`); each drawn token
+//! then advances its matcher. With overlapped scheduling the masks are computed while the
+//! device runs the step's forward pass. Unconstrained rows take no part in any of it.
+
+use std::collections::HashMap;
+use std::path::Path;
+use std::sync::{Arc, Mutex};
+
+use llguidance::api::TopLevelGrammar;
+use llguidance::{Matcher, ParserFactory};
+use rayon::prelude::*;
+use toktrie_hf_tokenizers::ByteTokenizer;
+
+use crate::error::{EngineError, Result};
+
+/// Most compiled grammars kept for reuse; past it the cache starts over.
+const MAX_CACHED_GRAMMARS: usize = 256;
+
+/// llguidance's JSON options for schemas that set none (`"x-guidance"`): JSON written as
+/// Python's `json.dumps` writes it (`{"a": 1, "b": [2, 3]}`), no free whitespace. Free
+/// whitespace lets small models fall into endless runs of blank lines and spaces inside a
+/// JSON value (vLLM's `disable_any_whitespace` for the same reason).
+pub fn json_defaults() -> serde_json::Value {
+    serde_json::json!({
+        "whitespace_flexible": false,
+        "item_separator": ", ",
+        "key_separator": ": ",
+    })
+}
+
+/// `schema` with [`json_defaults`], unless it sets llguidance's options itself.
+pub fn with_json_defaults(mut schema: serde_json::Value) -> serde_json::Value {
+    if let Some(o) = schema.as_object_mut()
+        && !o.contains_key("x-guidance")
+    {
+        o.insert("x-guidance".into(), json_defaults());
+    }
+    schema
+}
+
+/// What a request's output must match.
+#[derive(Clone, Debug, PartialEq)]
+pub enum StructuredOutput {
+    /// JSON valid under this JSON schema, written as [`json_defaults`] says unless the schema
+    /// sets llguidance's `x-guidance` options.
+    JsonSchema(serde_json::Value),
+    /// Any JSON object (OpenAI's `response_format: {"type": "json_object"}`).
+    JsonObject,
+    /// Text matching this regular expression as a whole.
+    Regex(String),
+    /// Exactly one of these strings.
+    Choice(Vec<String>),
+    /// Text of this grammar, in llguidance's Lark dialect (`%json {…}` embeds a JSON schema).
+    Grammar(String),
+}
+
+impl StructuredOutput {
+    /// The constraint's kind, as vLLM names it (`json`, `json_object`, `regex`, `choice`,
+    /// `grammar`).
+    pub fn kind(&self) -> &'static str {
+        match self {
+            Self::JsonSchema(_) => "json",
+            Self::JsonObject => "json_object",
+            Self::Regex(_) => "regex",
+            Self::Choice(_) => "choice",
+            Self::Grammar(_) => "grammar",
+        }
+    }
+
+    /// The llguidance grammar, and the text that identifies it in the cache.
+    fn grammar(&self) -> Result<(TopLevelGrammar, String)> {
+        let key = |text: &str| format!("{}:{text}", self.kind());
+        Ok(match self {
+            Self::JsonSchema(schema) => {
+                if !schema.is_object() && !schema.is_boolean() {
+                    return Err(self.invalid("a JSON schema must be an object".into()));
+                }
+                let text = schema.to_string();
+                (
+                    TopLevelGrammar::from_json_schema(with_json_defaults(schema.clone())),
+                    key(&text),
+                )
+            }
+            Self::JsonObject => (
+                TopLevelGrammar::from_json_schema(with_json_defaults(
+                    serde_json::json!({"type": "object"}),
+                )),
+                key(""),
+            ),
+            Self::Regex(rx) => (TopLevelGrammar::from_regex(rx), key(rx)),
+            Self::Choice(choices) => {
+                if choices.is_empty() {
+                    return Err(self.invalid("the choice list is empty".into()));
+                }
+                let rx = choices
+                    .iter()
+                    .map(|c| regex_literal(c))
+                    .collect::<Vec<_>>()
+                    .join("|");
+                (TopLevelGrammar::from_regex(&rx), key(&rx))
+            }
+            Self::Grammar(lark) => (TopLevelGrammar::from_lark(lark.clone()), key(lark)),
+        })
+    }
+
+    /// An [`EngineError::InvalidParam`] of field `structured_output` naming the kind.
+    fn invalid(&self, message: String) -> EngineError {
+        EngineError::param(
+            "structured_output",
+            format!("invalid {} constraint: {message}", self.kind()),
+        )
+    }
+}
+
+/// `text` as a regular expression matching exactly it.
+fn regex_literal(text: &str) -> String {
+    let mut out = String::with_capacity(text.len());
+    for c in text.chars() {
+        if "\\.+*?()|[]{}^$#&-~\"/".contains(c) {
+            out.push('\\');
+        }
+        out.push(c);
+    }
+    out
+}
+
+/// Compiles constraints against one model's vocabulary. Compiled grammars are cached by their
+/// text, so requests sharing a schema compile it once (later ones clone the fresh matcher).
+/// Shared between threads: a server can compile (and so check) a request's constraint before
+/// it reaches the engine.
+pub struct GrammarCompiler {
+    factory: ParserFactory,
+    vocab_size: usize,
+    cache: Mutex<HashMap<String, Matcher>>,
+}
+
+impl GrammarCompiler {
+    /// Reads `tokenizer.json`; `eos_token_ids` end a constrained output once its grammar is
+    /// complete; `vocab_size` is the model's (logits) vocabulary, at least the tokenizer's.
+    pub fn new(tokenizer_json: &Path, eos_token_ids: &[u32], vocab_size: usize) -> Result<Self> {
+        let failed = |e: String| {
+            EngineError::Model(model_qwen2::ModelError::Parse {
+                path: tokenizer_json.to_path_buf(),
+                message: format!("structured outputs cannot use this tokenizer: {e}"),
+            })
+        };
+        let mut tokenizer = ByteTokenizer::from_file(tokenizer_json).map_err(|e| failed(e.to_string()))?;
+        if !eos_token_ids.is_empty() {
+            tokenizer.set_eos_tokens(eos_token_ids);
+        }
+        let env = tokenizer
+            .into_tok_env(Some(vocab_size))
+            .map_err(|e| failed(e.to_string()))?;
+        let mut factory = ParserFactory::new_simple(&env).map_err(|e| failed(e.to_string()))?;
+        factory.quiet();
+        Ok(Self {
+            factory,
+            vocab_size,
+            cache: Mutex::new(HashMap::new()),
+        })
+    }
+
+    /// The logits' vocabulary the masks cover.
+    pub fn vocab_size(&self) -> usize {
+        self.vocab_size
+    }
+
+    /// A fresh matcher of `constraint`; an invalid schema, regex or grammar is an
+    /// [`EngineError::InvalidParam`] (field `structured_output`) saying what is wrong.
+    pub fn compile(&self, constraint: &StructuredOutput) -> Result<GrammarMatcher> {
+        let (grammar, key) = constraint.grammar()?;
+        if let Some(m) = self.cache.lock().expect("grammar cache").get(&key) {
+            return Ok(GrammarMatcher::new(m.deep_clone()));
+        }
+        let matcher = Matcher::new(self.factory.create_parser(grammar));
+        if let Some(e) = matcher.get_error() {
+            return Err(constraint.invalid(e));
+        }
+        let mut cache = self.cache.lock().expect("grammar cache");
+        if cache.len() >= MAX_CACHED_GRAMMARS {
+            cache.clear();
+        }
+        cache.insert(key, matcher.deep_clone());
+        Ok(GrammarMatcher::new(matcher))
+    }
+}
+
+/// One request's place in its grammar.
+pub struct GrammarMatcher {
+    matcher: Matcher,
+}
+
+impl GrammarMatcher {
+    fn new(matcher: Matcher) -> Self {
+        Self { matcher }
+    }
+
+    /// Writes the tokens allowed next into `mask` (`⌈V/32⌉` words; bit `t mod 32` of word
+    /// `t / 32` set = token `t` allowed); once the grammar is complete, only end-of-sequence.
+    pub fn fill_mask(&mut self, mask: &mut [u32]) -> std::result::Result<(), String> {
+        let allowed = self
+            .matcher
+            .compute_mask_or_eos()
+            .map_err(|e| e.to_string())?;
+        let words = allowed.as_slice();
+        let n = words.len().min(mask.len());
+        mask[..n].copy_from_slice(&words[..n]);
+        mask[n..].fill(0);
+        if mask.iter().all(|&w| w == 0) {
+            return Err("the grammar allows no token here".into());
+        }
+        Ok(())
+    }
+
+    /// Advances past a drawn token; an error if the grammar does not allow it.
+    pub fn accept(&mut self, token: u32) -> std::result::Result<(), String> {
+        self.matcher.consume_token(token).map_err(|e| e.to_string())
+    }
+
+    /// True once the output is complete: the grammar allows nothing more (or an
+    /// end-of-sequence token was accepted).
+    pub fn is_finished(&self) -> bool {
+        self.matcher.is_stopped()
+    }
+}
+
+/// Fills one mask row per matcher (`masks`: `matchers.len()` rows of `words` u32), the rows in
+/// parallel. A row whose grammar failed allows every token (its request ends with the error
+/// returned for it; its draw is dropped).
+fn fill_masks(
+    matchers: &mut [&mut GrammarMatcher],
+    masks: &mut [u32],
+    words: usize,
+) -> Vec<Option<String>> {
+    matchers
+        .par_iter_mut()
+        .zip(masks.par_chunks_mut(words))
+        .map(|(m, row)| {
+            let error = m.fill_mask(row).err();
+            if error.is_some() {
+                row.fill(u32::MAX);
+            }
+            error
+        })
+        .collect()
+}
+
+/// The engine's constrained requests and their compiler (built on the first constrained
+/// request: unconstrained use pays nothing).
+pub(crate) struct StructuredOutputs {
+    tokenizer_json: Option<std::path::PathBuf>,
+    eos_token_ids: Vec<u32>,
+    vocab_size: usize,
+    compiler: Option<Arc<GrammarCompiler>>,
+    matchers: HashMap<crate::sequence::RequestId, GrammarMatcher>,
+}
+
+impl StructuredOutputs {
+    pub(crate) fn new(
+        tokenizer_json: Option<std::path::PathBuf>,
+        eos_token_ids: Vec<u32>,
+        vocab_size: usize,
+    ) -> Self {
+        Self {
+            tokenizer_json,
+            eos_token_ids,
+            vocab_size,
+            compiler: None,
+            matchers: HashMap::new(),
+        }
+    }
+
+    /// The compiler, built on first use.
+    pub(crate) fn compiler(&mut self) -> Result<Arc<GrammarCompiler>> {
+        if let Some(c) = &self.compiler {
+            return Ok(c.clone());
+        }
+        let path = self.tokenizer_json.as_ref().ok_or_else(|| {
+            EngineError::param(
+                "structured_output",
+                "structured outputs need the model's tokenizer.json, which this model folder \
+                 lacks"
+                    .into(),
+            )
+        })?;
+        let c = Arc::new(GrammarCompiler::new(
+            path,
+            &self.eos_token_ids,
+            self.vocab_size,
+        )?);
+        self.compiler = Some(c.clone());
+        Ok(c)
+    }
+
+    /// Tracks `id` with its compiled constraint.
+    pub(crate) fn insert(&mut self, id: crate::sequence::RequestId, matcher: GrammarMatcher) {
+        self.matchers.insert(id, matcher);
+    }
+
+    /// True if `id` is constrained.
+    pub(crate) fn contains(&self, id: crate::sequence::RequestId) -> bool {
+        self.matchers.contains_key(&id)
+    }
+
+    /// `id`'s matcher.
+    pub(crate) fn get_mut(
+        &mut self,
+        id: crate::sequence::RequestId,
+    ) -> Option<&mut GrammarMatcher> {
+        self.matchers.get_mut(&id)
+    }
+
+    /// Forgets `id`.
+    pub(crate) fn remove(&mut self, id: crate::sequence::RequestId) {
+        self.matchers.remove(&id);
+    }
+
+    /// Forgets every request (the engine failed).
+    pub(crate) fn clear(&mut self) {
+        self.matchers.clear();
+    }
+
+    /// The masks of `ids` (those still tracked; others are skipped), `⌈V/32⌉` words each, with
+    /// their positions in `ids`, and each row's error.
+    pub(crate) fn masks(
+        &mut self,
+        ids: &[(usize, crate::sequence::RequestId)],
+    ) -> (Vec<u32>, Vec<u32>, Vec<(crate::sequence::RequestId, String)>) {
+        let words = self.vocab_size.div_ceil(32);
+        let wanted: HashMap<_, usize> = ids.iter().map(|&(row, id)| (id, row)).collect();
+        let mut rows: Vec<(usize, crate::sequence::RequestId, &mut GrammarMatcher)> = self
+            .matchers
+            .iter_mut()
+            .filter_map(|(id, m)| wanted.get(id).map(|&row| (row, *id, m)))
+            .collect();
+        rows.sort_by_key(|r| r.0);
+        let mut masks = vec![0u32; rows.len() * words];
+        let mut matchers: Vec<&mut GrammarMatcher> = Vec::with_capacity(rows.len());
+        let mut order = Vec::with_capacity(rows.len());
+        for (row, id, m) in rows {
+            order.push((row as u32, id));
+            matchers.push(m);
+        }
+        let errors = fill_masks(&mut matchers, &mut masks, words);
+        let failed = order
+            .iter()
+            .zip(errors)
+            .filter_map(|(&(_, id), e)| e.map(|e| (id, e)))
+            .collect();
+        (masks, order.into_iter().map(|(r, _)| r).collect(), failed)
+    }
+}
