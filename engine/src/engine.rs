@@ -528,7 +528,11 @@ impl LLMEngine {
         let run = std::panic::catch_unwind(AssertUnwindSafe(|| self.run_forward(&sched)));
         let forward = self.device_result(run)?;
         let mut masks = TokenMasks::default();
-        if forward.rows.iter().any(|&(id, _)| self.structured.contains(id)) {
+        if forward
+            .rows
+            .iter()
+            .any(|&(id, _)| self.structured.contains(id))
+        {
             // Constrained rows' grammars must have seen the previous step's tokens: finish that
             // step now, while the device runs this one's forward pass, then compute the masks.
             outputs.extend(self.finish_in_flight()?);
@@ -752,7 +756,10 @@ impl LLMEngine {
         // else is left in it.
         let words = self.model_config.vocab_size.div_ceil(32);
         for (k, &r) in mask_rows.iter().enumerate() {
-            let seq = self.scheduler.get(rows[r as usize].0).expect("live sequence");
+            let seq = self
+                .scheduler
+                .get(rows[r as usize].0)
+                .expect("live sequence");
             let banned = self.banned_tokens(seq);
             let mask = &mut allowed[k * words..(k + 1) * words];
             let mut kept = mask.to_vec();
@@ -826,13 +833,8 @@ impl LLMEngine {
                     })
                     .collect();
                 let counters: Vec<u32> = rows.iter().map(|&(_, pos)| pos as u32).collect();
-                let (draws, flush) = sampler::sample(
-                    logits,
-                    &sampler_rows,
-                    masks,
-                    &counters,
-                    self.runner.draws(),
-                )?;
+                let (draws, flush) =
+                    sampler::sample(logits, &sampler_rows, masks, &counters, self.runner.draws())?;
                 // Flushing the sampling to the device waits for it while the previous step's
                 // copy of the draws buffer (which this sampling rewrites) is pending.
                 self.waited += flush;
@@ -1111,9 +1113,15 @@ fn warm_up_step(
         .collect();
     let mut draws =
         Tensor::<1, Int>::from_data(TensorData::new(vec![0i32; n], [n]), (device, DType::I32));
-    sampler::sample(logits, &rows, &TokenMasks::default(), &vec![0; n], &mut draws)?
-        .0
-        .wait()?;
+    sampler::sample(
+        logits,
+        &rows,
+        &TokenMasks::default(),
+        &vec![0; n],
+        &mut draws,
+    )?
+    .0
+    .wait()?;
     device
         .sync()
         .map_err(|e| EngineError::Device(format!("warm-up forward: {e:?}")))?;

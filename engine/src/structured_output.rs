@@ -151,7 +151,8 @@ impl GrammarCompiler {
                 message: format!("structured outputs cannot use this tokenizer: {e}"),
             })
         };
-        let mut tokenizer = ByteTokenizer::from_file(tokenizer_json).map_err(|e| failed(e.to_string()))?;
+        let mut tokenizer =
+            ByteTokenizer::from_file(tokenizer_json).map_err(|e| failed(e.to_string()))?;
         if !eos_token_ids.is_empty() {
             tokenizer.set_eos_tokens(eos_token_ids);
         }
@@ -332,7 +333,11 @@ impl StructuredOutputs {
     pub(crate) fn masks(
         &mut self,
         ids: &[(usize, crate::sequence::RequestId)],
-    ) -> (Vec<u32>, Vec<u32>, Vec<(crate::sequence::RequestId, String)>) {
+    ) -> (
+        Vec<u32>,
+        Vec<u32>,
+        Vec<(crate::sequence::RequestId, String)>,
+    ) {
         let words = self.vocab_size.div_ceil(32);
         let wanted: HashMap<_, usize> = ids.iter().map(|&(row, id)| (id, row)).collect();
         let mut rows: Vec<(usize, crate::sequence::RequestId, &mut GrammarMatcher)> = self

@@ -35,7 +35,7 @@ pub enum Event {
 enum Command {
     Add {
         prompt: Vec<u32>,
-        params: SamplingParams,
+        params: Box<SamplingParams>,
         events: tmpsc::UnboundedSender<Event>,
         accepted: oneshot::Sender<Result<RequestId, EngineError>>,
     },
@@ -180,7 +180,7 @@ impl EngineHandle {
         let (accepted, accepted_rx) = oneshot::channel();
         let sent = self.commands.send(Command::Add {
             prompt,
-            params,
+            params: Box::new(params),
             events,
             accepted,
         });
@@ -284,7 +284,7 @@ impl EngineThread {
                 params,
                 events,
                 accepted,
-            } => match engine.add_request(prompt, params) {
+            } => match engine.add_request(prompt, *params) {
                 Ok(id) => {
                     self.requests.insert(
                         id,

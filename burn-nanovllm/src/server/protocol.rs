@@ -454,23 +454,41 @@ impl OpenAiRequest {
         if let Some(so) = &self.structured_outputs {
             if let Some(v) = &so.json {
                 let field = "structured_outputs.json";
-                found.push((StructuredOutput::JsonSchema(schema_of(v, field)?), field.into()));
+                found.push((
+                    StructuredOutput::JsonSchema(schema_of(v, field)?),
+                    field.into(),
+                ));
             }
             if let Some(rx) = &so.regex {
-                found.push((StructuredOutput::Regex(rx.clone()), "structured_outputs.regex".into()));
+                found.push((
+                    StructuredOutput::Regex(rx.clone()),
+                    "structured_outputs.regex".into(),
+                ));
             }
             if let Some(c) = &so.choice {
-                found.push((StructuredOutput::Choice(c.clone()), "structured_outputs.choice".into()));
+                found.push((
+                    StructuredOutput::Choice(c.clone()),
+                    "structured_outputs.choice".into(),
+                ));
             }
             if let Some(g) = &so.grammar {
-                found.push((StructuredOutput::Grammar(g.clone()), "structured_outputs.grammar".into()));
+                found.push((
+                    StructuredOutput::Grammar(g.clone()),
+                    "structured_outputs.grammar".into(),
+                ));
             }
             if so.json_object == Some(true) {
-                found.push((StructuredOutput::JsonObject, "structured_outputs.json_object".into()));
+                found.push((
+                    StructuredOutput::JsonObject,
+                    "structured_outputs.json_object".into(),
+                ));
             }
         }
         if let Some(v) = &self.guided_json {
-            found.push((StructuredOutput::JsonSchema(schema_of(v, "guided_json")?), "guided_json".into()));
+            found.push((
+                StructuredOutput::JsonSchema(schema_of(v, "guided_json")?),
+                "guided_json".into(),
+            ));
         }
         if let Some(rx) = &self.guided_regex {
             found.push((StructuredOutput::Regex(rx.clone()), "guided_regex".into()));
@@ -479,7 +497,10 @@ impl OpenAiRequest {
             found.push((StructuredOutput::Choice(c.clone()), "guided_choice".into()));
         }
         if let Some(g) = &self.guided_grammar {
-            found.push((StructuredOutput::Grammar(g.clone()), "guided_grammar".into()));
+            found.push((
+                StructuredOutput::Grammar(g.clone()),
+                "guided_grammar".into(),
+            ));
         }
         let (tool_constraint, mode) = self.tool_constraint(endpoint)?;
         found.extend(tool_constraint);
@@ -558,14 +579,22 @@ impl OpenAiRequest {
                             "tool_choice",
                         )
                     })?;
-                let tool = tools.iter().find(|t| t.function.name == name).ok_or_else(|| {
-                    bad(format!("tool_choice names `{name}`, which is not in tools"), "tool_choice")
-                })?;
+                let tool = tools
+                    .iter()
+                    .find(|t| t.function.name == name)
+                    .ok_or_else(|| {
+                        bad(
+                            format!("tool_choice names `{name}`, which is not in tools"),
+                            "tool_choice",
+                        )
+                    })?;
                 let grammar = StructuredOutput::Grammar(tool_call_grammar(&[tool], false));
                 Ok((Some((grammar, "tools".into())), ToolMode::Parse))
             }
             other => Err(bad(
-                format!("tool_choice must be none, auto, required or a named function, got {other}"),
+                format!(
+                    "tool_choice must be none, auto, required or a named function, got {other}"
+                ),
                 "tool_choice",
             )),
         }

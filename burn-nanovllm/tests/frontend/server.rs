@@ -117,7 +117,12 @@ async fn engine_text(prompt: Prompt, max_tokens: usize) -> String {
     .unwrap()
 }
 
-pub(super) async fn post(s: &TestServer, path: &str, body: &str, key: Option<&str>) -> reqwest::Response {
+pub(super) async fn post(
+    s: &TestServer,
+    path: &str,
+    body: &str,
+    key: Option<&str>,
+) -> reqwest::Response {
     post_at(&s.base, path, body, key).await
 }
 

@@ -6,8 +6,8 @@
 
 use async_openai::types::chat::{
     ChatCompletionMessageToolCalls, ChatCompletionNamedToolChoice, ChatCompletionRequestMessage,
-    ChatCompletionRequestUserMessageArgs, ChatCompletionToolChoiceOption, ChatCompletionTools,
-    ChatCompletionTool, CreateChatCompletionRequest, CreateChatCompletionRequestArgs,
+    ChatCompletionRequestUserMessageArgs, ChatCompletionTool, ChatCompletionToolChoiceOption,
+    ChatCompletionTools, CreateChatCompletionRequest, CreateChatCompletionRequestArgs,
     FunctionName, FunctionObject, ResponseFormat, ResponseFormatJsonSchema, ToolChoiceOptions,
 };
 use burn_nanovllm::LLMEngine;
@@ -69,10 +69,7 @@ fn tools() -> Vec<ChatCompletionTools> {
     };
     vec![
         function("get_weather", weather_schema()),
-        function(
-            "add",
-            add_schema(),
-        ),
+        function("add", add_schema()),
     ]
 }
 
@@ -83,7 +80,10 @@ fn validate(schema: &Value, value: &Value) {
     }
 }
 
-fn request(seed: i64, build: impl FnOnce(&mut CreateChatCompletionRequestArgs)) -> CreateChatCompletionRequest {
+fn request(
+    seed: i64,
+    build: impl FnOnce(&mut CreateChatCompletionRequestArgs),
+) -> CreateChatCompletionRequest {
     let mut args = CreateChatCompletionRequestArgs::default();
     args.model(MODEL)
         .messages([user("Tell me about the weather in a city.")])
@@ -145,14 +145,32 @@ async fn response_format_outputs_validate_whole_and_streamed() {
 async fn vllm_structured_output_fields_constrain_completions_and_chats() {
     let s = default_model_server().await;
     let cases = [
-        (json!({"structured_outputs": {"choice": ["sunny", "rainy", "cold"]}}), "choice"),
-        (json!({"guided_choice": ["sunny", "rainy", "cold"]}), "choice"),
-        (json!({"structured_outputs": {"regex": "[0-9]{2}-[0-9]{2}"}}), "regex"),
+        (
+            json!({"structured_outputs": {"choice": ["sunny", "rainy", "cold"]}}),
+            "choice",
+        ),
+        (
+            json!({"guided_choice": ["sunny", "rainy", "cold"]}),
+            "choice",
+        ),
+        (
+            json!({"structured_outputs": {"regex": "[0-9]{2}-[0-9]{2}"}}),
+            "regex",
+        ),
         (json!({"guided_regex": "[0-9]{2}-[0-9]{2}"}), "regex"),
-        (json!({"structured_outputs": {"json": weather_schema()}}), "json"),
+        (
+            json!({"structured_outputs": {"json": weather_schema()}}),
+            "json",
+        ),
         (json!({"guided_json": weather_schema().to_string()}), "json"),
-        (json!({"structured_outputs": {"grammar": "start: \"yes\" | \"no\""}}), "grammar"),
-        (json!({"guided_grammar": "start: \"yes\" | \"no\""}), "grammar"),
+        (
+            json!({"structured_outputs": {"grammar": "start: \"yes\" | \"no\""}}),
+            "grammar",
+        ),
+        (
+            json!({"guided_grammar": "start: \"yes\" | \"no\""}),
+            "grammar",
+        ),
     ];
     for (i, (extra, kind)) in cases.iter().enumerate() {
         for path in ["/v1/completions", "/v1/chat/completions"] {
@@ -171,15 +189,26 @@ async fn vllm_structured_output_fields_constrain_completions_and_chats() {
             let v: Value = r.json().await.unwrap();
             let text = match path {
                 "/v1/completions" => v["choices"][0]["text"].as_str().unwrap().to_string(),
-                _ => v["choices"][0]["message"]["content"].as_str().unwrap().to_string(),
+                _ => v["choices"][0]["message"]["content"]
+                    .as_str()
+                    .unwrap()
+                    .to_string(),
             };
-            assert_eq!(v["choices"][0]["finish_reason"], "stop", "{path} {extra}: {text:?}");
+            assert_eq!(
+                v["choices"][0]["finish_reason"], "stop",
+                "{path} {extra}: {text:?}"
+            );
             match *kind {
-                "choice" => assert!(["sunny", "rainy", "cold"].contains(&text.as_str()), "{text:?}"),
+                "choice" => assert!(
+                    ["sunny", "rainy", "cold"].contains(&text.as_str()),
+                    "{text:?}"
+                ),
                 "regex" => {
                     let b = text.as_bytes();
                     assert!(
-                        b.len() == 5 && b[2] == b'-' && b.iter().filter(|c| c.is_ascii_digit()).count() == 4,
+                        b.len() == 5
+                            && b[2] == b'-'
+                            && b.iter().filter(|c| c.is_ascii_digit()).count() == 4,
                         "{text:?}"
                     );
                 }
@@ -203,15 +232,15 @@ async fn tool_calls_come_back_as_openai_tool_calls_whole_and_streamed() {
         _ => add_schema(),
     };
     let named = ChatCompletionToolChoiceOption::Function(ChatCompletionNamedToolChoice {
-        function: FunctionName {
-            name: "add".into(),
-        },
+        function: FunctionName { name: "add".into() },
     });
     let required = ChatCompletionToolChoiceOption::Mode(ToolChoiceOptions::Required);
     for (seed, choice) in [(1, required.clone()), (2, named.clone()), (3, required)] {
         let is_named = choice == named;
         let req = request(seed, |a| {
-            a.tools(tools()).tool_choice(choice).max_completion_tokens(128u32);
+            a.tools(tools())
+                .tool_choice(choice)
+                .max_completion_tokens(128u32);
         });
         let whole = c.chat().create(req.clone()).await.unwrap();
         let choice0 = &whole.choices[0];
@@ -253,7 +282,9 @@ async fn tool_calls_come_back_as_openai_tool_calls_whole_and_streamed() {
     // `auto`: free text here, as content.
     let req = request(4, |a| {
         a.tools(tools())
-            .tool_choice(ChatCompletionToolChoiceOption::Mode(ToolChoiceOptions::Auto))
+            .tool_choice(ChatCompletionToolChoiceOption::Mode(
+                ToolChoiceOptions::Auto,
+            ))
             .temperature(0.0)
             .max_completion_tokens(16u32);
     });
@@ -293,8 +324,14 @@ async fn invalid_constraints_are_400s_naming_the_field() {
             json!({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "nonsense"}}}}),
             "response_format.json_schema.schema",
         ),
-        (json!({"structured_outputs": {"regex": "[a-"}}), "structured_outputs.regex"),
-        (json!({"guided_grammar": "start: missing_rule"}), "guided_grammar"),
+        (
+            json!({"structured_outputs": {"regex": "[a-"}}),
+            "structured_outputs.regex",
+        ),
+        (
+            json!({"guided_grammar": "start: missing_rule"}),
+            "guided_grammar",
+        ),
         (json!({"guided_choice": []}), "guided_choice"),
         (json!({"guided_json": "{not json"}), "guided_json"),
         (
@@ -311,7 +348,10 @@ async fn invalid_constraints_are_400s_naming_the_field() {
             json!({"tools": [{"type": "retrieval", "function": {"name": "f"}}]}),
             "tools[0].type",
         ),
-        (json!({"response_format": {"type": "yaml"}}), "response_format.type"),
+        (
+            json!({"response_format": {"type": "yaml"}}),
+            "response_format.type",
+        ),
     ];
     for (extra, field) in cases {
         let r = post(&s, "/v1/chat/completions", &chat(extra.clone()), Some(KEY)).await;

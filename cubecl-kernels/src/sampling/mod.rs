@@ -134,7 +134,8 @@ pub fn mask_logits(
         TensorData::new(allowed.to_vec(), [m, words]),
         (&device, DType::U32),
     );
-    let rows = Tensor::<1, Int>::from_data(TensorData::new(rows.to_vec(), [m]), (&device, DType::U32));
+    let rows =
+        Tensor::<1, Int>::from_data(TensorData::new(rows.to_vec(), [m]), (&device, DType::U32));
     Ok(Tensor::from_dispatch(Dispatch::mask_logits(
         logits.into_dispatch(),
         allowed.into_dispatch(),

@@ -217,10 +217,17 @@ fn masked_rows_keep_only_their_allowed_tokens() {
         let b = rows.len();
         let words = vocab.div_ceil(32);
         // Every other row, in a shuffled order; a few allowed tokens each (one for row 0).
-        let masked: Vec<u32> = [4, 0, 8, 2, 6, 10].into_iter().filter(|&r| r < b as u32).collect();
+        let masked: Vec<u32> = [4, 0, 8, 2, 6, 10]
+            .into_iter()
+            .filter(|&r| r < b as u32)
+            .collect();
         let mut allowed = vec![0u32; masked.len() * words];
         for (k, &r) in masked.iter().enumerate() {
-            let n = if r == 0 { 1 } else { 1 + rng.random_range(0..vocab.min(9)) };
+            let n = if r == 0 {
+                1
+            } else {
+                1 + rng.random_range(0..vocab.min(9))
+            };
             for _ in 0..n {
                 let t = rng.random_range(0..vocab);
                 allowed[k * words + t / 32] |= 1 << (t % 32);

@@ -86,7 +86,11 @@ fn check_penalties(device: &Device) {
     );
     let mut draws =
         Tensor::<1, Int>::from_data(TensorData::new(vec![0i32; 4], [4]), (device, DType::I32));
-    let out = sample(t, &row, &Default::default(), &[0], &mut draws).unwrap().0.wait().unwrap();
+    let out = sample(t, &row, &Default::default(), &[0], &mut draws)
+        .unwrap()
+        .0
+        .wait()
+        .unwrap();
     assert_ne!(out[0].token_id, 17);
 }
 

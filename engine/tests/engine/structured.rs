@@ -3,7 +3,9 @@
 //! unconstrained requests, with overlapped and plain step loops; unconstrained greedy outputs
 //! stay what they are alone; invalid constraints are refused naming the field.
 
-use engine::{EngineConfig, EngineError, FinishReason, LLMEngine, SamplingParams, StructuredOutput};
+use engine::{
+    EngineConfig, EngineError, FinishReason, LLMEngine, SamplingParams, StructuredOutput,
+};
 use serde_json::{Value, json};
 
 use super::common::*;
@@ -64,9 +66,10 @@ fn check(constraint: &StructuredOutput, text: &str) -> Result<(), String> {
         StructuredOutput::JsonSchema(schema) => validates(schema, text),
         StructuredOutput::JsonObject => validates(&json!({"type": "object"}), text),
         // The validator's `pattern` is the regex oracle (anchored: the whole output).
-        StructuredOutput::Regex(rx) => {
-            validates(&json!({"type": "string", "pattern": format!("^(?:{rx})$")}), &json!(text).to_string())
-        }
+        StructuredOutput::Regex(rx) => validates(
+            &json!({"type": "string", "pattern": format!("^(?:{rx})$")}),
+            &json!(text).to_string(),
+        ),
         StructuredOutput::Choice(choices) => match choices.iter().any(|c| c == text) {
             true => Ok(()),
             false => Err("not one of the choices".into()),
@@ -125,7 +128,10 @@ fn constrained_outputs_validate_across_seeds_and_mixed_batches() {
                     structured_output: Some(constraint.clone()),
                     ..SamplingParams::default()
                 };
-                requests.push((prompts[(k + requests.len()) % prompts.len()].clone(), params));
+                requests.push((
+                    prompts[(k + requests.len()) % prompts.len()].clone(),
+                    params,
+                ));
                 kinds.push(Some(constraint.clone()));
                 if requests.len() % 4 == 0 {
                     requests.push(plain(requests.len()));
@@ -145,9 +151,14 @@ fn constrained_outputs_validate_across_seeds_and_mixed_batches() {
                 {
                     let mut m = compiler.compile(&StructuredOutput::JsonObject).unwrap();
                     for &t in &out.tokens {
-                        m.accept(t).unwrap_or_else(|e| panic!("{:?}: {e}", out.text));
+                        m.accept(t)
+                            .unwrap_or_else(|e| panic!("{:?}: {e}", out.text));
                     }
-                    assert!(!m.is_finished() && out.text.starts_with('{'), "{:?}", out.text);
+                    assert!(
+                        !m.is_finished() && out.text.starts_with('{'),
+                        "{:?}",
+                        out.text
+                    );
                     cut += 1;
                 }
                 Some(constraint) => {
@@ -158,7 +169,11 @@ fn constrained_outputs_validate_across_seeds_and_mixed_batches() {
                         out.text
                     );
                     if let Err(e) = check(constraint, &out.text) {
-                        panic!("overlap {overlap}, {}: {e}: {:?}", constraint.kind(), out.text);
+                        panic!(
+                            "overlap {overlap}, {}: {e}: {:?}",
+                            constraint.kind(),
+                            out.text
+                        );
                     }
                     checked += 1;
                 }
@@ -187,10 +202,16 @@ fn invalid_constraints_are_refused_naming_the_field() {
     let mut e = engine(small_config());
     let prompt = prompts(&e).remove(0);
     let bad = [
-        (StructuredOutput::JsonSchema(json!({"type": "nonsense"})), "json"),
+        (
+            StructuredOutput::JsonSchema(json!({"type": "nonsense"})),
+            "json",
+        ),
         (StructuredOutput::JsonSchema(json!([1, 2])), "json"),
         (StructuredOutput::Regex("[a-".into()), "regex"),
-        (StructuredOutput::Grammar("start: undefined_rule".into()), "grammar"),
+        (
+            StructuredOutput::Grammar("start: undefined_rule".into()),
+            "grammar",
+        ),
         (StructuredOutput::Choice(Vec::new()), "choice"),
     ];
     for (constraint, kind) in bad {
@@ -201,7 +222,10 @@ fn invalid_constraints_are_refused_naming_the_field() {
         match e.add_request(prompt.clone(), params) {
             Err(EngineError::InvalidParam { field, message }) => {
                 assert_eq!(field, "structured_output");
-                assert!(message.contains(&format!("invalid {kind} constraint")), "{message}");
+                assert!(
+                    message.contains(&format!("invalid {kind} constraint")),
+                    "{message}"
+                );
             }
             other => panic!("{constraint:?}: {other:?}"),
         }
