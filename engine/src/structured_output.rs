@@ -3,7 +3,7 @@
 //! through `llguidance` over the model's vocabulary.
 //!
 //! Each constrained request holds a [`GrammarMatcher`]. Before a step samples, the engine asks
-//! every constrained row's matcher for its allowed tokens ([`fill_masks`]: in parallel, into
+//! every constrained row's matcher for its allowed tokens (`fill_masks`: in parallel, into
 //! one `[rows, ⌈V/32⌉]` u32 bitmask), uploads it, and the device sampler sets every other logit
 //! to −∞ before temperature and the filters (`cubecl_kernels::mask_logits`); each drawn token
 //! then advances its matcher. With overlapped scheduling the masks are computed while the
