@@ -32,11 +32,7 @@
 #      (fa3.csv, attention.log);
 # SECTIONS (default "tests bench profile") picks which to run. Logs go to $OUT.
 set -uo pipefail
-cd "$(dirname "$0")/../.."
-mkdir -p /tmp/bin
-for f in dist*/*.xz; do
-  [ -e "$f" ] && xz -T0 -dc "$f" > "/tmp/bin/$(basename "$f" .xz)" && chmod +x "/tmp/bin/$(basename "$f" .xz)"
-done
+source "$(dirname "$0")/unpack.sh"
 nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.sm --format=csv,noheader
 export RUST_BACKTRACE=0
 SECTIONS="${SECTIONS:-tests kernels bench profile}"

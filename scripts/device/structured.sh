@@ -10,11 +10,7 @@
 #     100 % of the requests constrained to a JSON schema: output tok/s, per-step mask time.
 # Logs go to $OUT.
 set -uo pipefail
-cd "$(dirname "$0")/../.."
-mkdir -p /tmp/bin
-for f in dist*/*.xz; do
-  [ -e "$f" ] && xz -T0 -dc "$f" > "/tmp/bin/$(basename "$f" .xz)" && chmod +x "/tmp/bin/$(basename "$f" .xz)"
-done
+source "$(dirname "$0")/unpack.sh"
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
 export RUST_BACKTRACE=0
 quiet() { grep -vE "^\s*$|^ +[0-9]+:|^ +at "; }
