@@ -644,6 +644,21 @@ impl LLMEngine {
         let sampled = std::panic::catch_unwind(AssertUnwindSafe(|| step.draws.wait()));
         self.waited += wait_start.elapsed();
         let sampled = self.device_result(sampled)?;
+        // Constrained requests' grammars take their tokens first, all at once (in parallel).
+        let grammar_start = Instant::now();
+        let drawn: Vec<(RequestId, u32)> = step
+            .rows
+            .iter()
+            .zip(&sampled)
+            .filter(|((id, _), _)| self.structured.contains(*id))
+            .filter(|((id, _), _)| self.scheduler.get(*id).is_some_and(|s| !s.is_finished()))
+            .map(|(&(id, _), s)| (id, s.token_id))
+            .collect();
+        let mut advanced = match drawn.is_empty() {
+            true => HashMap::new(),
+            false => self.structured.advance(&drawn),
+        };
+        self.stats.mask_time += grammar_start.elapsed();
         let mut outputs = Vec::new();
         for ((id, position), sample) in step.rows.into_iter().zip(sampled) {
             let Some(seq) = self.scheduler.get_mut(id) else {
@@ -654,10 +669,10 @@ impl LLMEngine {
             }
             seq.token_ids[position] = sample.token_id;
             seq.num_pending_tokens -= 1;
-            let grammar_complete = match self.structured.get_mut(id) {
+            let grammar_complete = match advanced.remove(&id) {
                 None => false,
-                Some(m) => match m.accept(sample.token_id) {
-                    Ok(()) => m.is_finished(),
+                Some(advance) => match advance {
+                    Ok(complete) => complete,
                     Err(e) => {
                         let reason = FinishReason::Error(format!(
                             "structured output: token {} breaks the constraint: {e}",

@@ -78,8 +78,9 @@ pub struct EngineStats {
     pub mask_steps: u64,
     /// Structured-output rows masked, over all steps.
     pub masked_rows: u64,
-    /// Host time computing the structured-output rows' token masks (while the device runs
-    /// the step's forward pass).
+    /// Host time in structured outputs' grammars: advancing them past drawn tokens and
+    /// computing the constrained rows' token masks (while the device runs the step's forward
+    /// pass).
     pub mask_time: Duration,
 }
 

@@ -310,14 +310,6 @@ impl StructuredOutputs {
         self.matchers.contains_key(&id)
     }
 
-    /// `id`'s matcher.
-    pub(crate) fn get_mut(
-        &mut self,
-        id: crate::sequence::RequestId,
-    ) -> Option<&mut GrammarMatcher> {
-        self.matchers.get_mut(&id)
-    }
-
     /// Forgets `id`.
     pub(crate) fn remove(&mut self, id: crate::sequence::RequestId) {
         self.matchers.remove(&id);
@@ -326,6 +318,24 @@ impl StructuredOutputs {
     /// Forgets every request (the engine failed).
     pub(crate) fn clear(&mut self) {
         self.matchers.clear();
+    }
+
+    /// Advances the matchers of `tokens` (request, drawn token; requests without one are
+    /// skipped) past their tokens, in parallel: for each, whether its output is now complete,
+    /// or why the token breaks its constraint.
+    pub(crate) fn advance(
+        &mut self,
+        tokens: &[(crate::sequence::RequestId, u32)],
+    ) -> HashMap<crate::sequence::RequestId, std::result::Result<bool, String>> {
+        let drawn: HashMap<_, u32> = tokens.iter().copied().collect();
+        let mut rows: Vec<(crate::sequence::RequestId, u32, &mut GrammarMatcher)> = self
+            .matchers
+            .iter_mut()
+            .filter_map(|(id, m)| drawn.get(id).map(|&t| (*id, t, m)))
+            .collect();
+        rows.par_iter_mut()
+            .map(|(id, t, m)| (*id, m.accept(*t).map(|()| m.is_finished())))
+            .collect()
     }
 
     /// The masks of `ids` (those still tracked; others are skipped), `⌈V/32⌉` words each, with

@@ -7,7 +7,8 @@
 #     CUDA (bf16 default model, step graphs captured, overlapped steps);
 #   bench (dist-bench/benches.xz, with fixtures/qwen2-tokenizer in the tree): bench.py
 #     (`benches nano`, Qwen2-0.5B random weights with the Qwen2 tokenizer) with 0 %, 50 % and
-#     100 % of the requests constrained to a JSON schema: output tok/s, per-step mask time.
+#     100 % of the requests constrained to a JSON schema: output tok/s, per-step mask time; at
+#     100 % once more with CUDA events (`--gpu-timeline`): the device's busy and idle time per step.
 # Logs go to $OUT.
 set -uo pipefail
 source "$(dirname "$0")/unpack.sh"
@@ -30,4 +31,7 @@ if [[ -x /tmp/bin/benches && -e dist-bench/benches.xz ]]; then
     timeout 240 /tmp/bin/benches nano --device cuda --tokenizer fixtures/qwen2-tokenizer \
       --json-fraction $f --out "$OUT/nano-json-$f.json" 2>&1 | tee "$OUT/nano-json-$f.log" | quiet | tail -4
   done
+  echo "== bench.py (nano), Qwen2-0.5B, --json-fraction 1, CUDA events per step"
+  timeout 240 /tmp/bin/benches nano --device cuda --tokenizer fixtures/qwen2-tokenizer \
+    --json-fraction 1 --gpu-timeline 2>&1 | tee "$OUT/nano-json-1-timeline.log" | quiet | tail -24
 fi
