@@ -477,13 +477,18 @@ impl LLMEngine {
             Some(seq) if !seq.is_finished() => {}
             _ => return Err(EngineError::UnknownRequest(id)),
         }
-        self.scheduler.finish(id, FinishReason::Abort);
-        self.structured.remove(id);
-        let out = self
-            .outputs
-            .finished_output(&mut self.scheduler, id, Vec::new(), Vec::new());
+        let out = self.end_request(id, FinishReason::Abort);
         self.pending.extend(out);
         Ok(())
+    }
+
+    /// Ends `id` for `reason` (its blocks freed, its grammar dropped, draws in flight for it
+    /// dropped): its final output.
+    fn end_request(&mut self, id: RequestId, reason: FinishReason) -> Option<RequestOutput> {
+        self.scheduler.finish(id, reason);
+        self.structured.remove(id);
+        self.outputs
+            .finished_output(&mut self.scheduler, id, Vec::new(), Vec::new())
     }
 
     /// Runs one step: schedules, runs the model, samples, applies stop conditions. Returns an
@@ -678,13 +683,7 @@ impl LLMEngine {
                             "structured output: token {} breaks the constraint: {e}",
                             sample.token_id
                         ));
-                        self.scheduler.finish(id, reason);
-                        outputs.extend(self.outputs.finished_output(
-                            &mut self.scheduler,
-                            id,
-                            Vec::new(),
-                            Vec::new(),
-                        ));
+                        outputs.extend(self.end_request(id, reason));
                         continue;
                     }
                 },
@@ -786,15 +785,8 @@ impl LLMEngine {
             }
         }
         for (id, e) in failed {
-            self.scheduler
-                .finish(id, FinishReason::Error(format!("structured output: {e}")));
-            self.structured.remove(id);
-            outputs.extend(self.outputs.finished_output(
-                &mut self.scheduler,
-                id,
-                Vec::new(),
-                Vec::new(),
-            ));
+            let reason = FinishReason::Error(format!("structured output: {e}"));
+            outputs.extend(self.end_request(id, reason));
         }
         self.stats.mask_steps += 1;
         self.stats.masked_rows += mask_rows.len() as u64;
