@@ -101,7 +101,7 @@ impl StructuredOutput {
                 }
                 let rx = choices
                     .iter()
-                    .map(|c| regex_literal(c))
+                    .map(|c| regex_syntax::escape(c))
                     .collect::<Vec<_>>()
                     .join("|");
                 (TopLevelGrammar::from_regex(&rx), key(&rx))
@@ -117,18 +117,6 @@ impl StructuredOutput {
             format!("invalid {} constraint: {message}", self.kind()),
         )
     }
-}
-
-/// `text` as a regular expression matching exactly it.
-fn regex_literal(text: &str) -> String {
-    let mut out = String::with_capacity(text.len());
-    for c in text.chars() {
-        if "\\.+*?()|[]{}^$#&-~\"/".contains(c) {
-            out.push('\\');
-        }
-        out.push(c);
-    }
-    out
 }
 
 /// Compiles constraints against one model's vocabulary. Compiled grammars are cached by their

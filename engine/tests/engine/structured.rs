@@ -30,7 +30,7 @@ const SUM_GRAMMAR: &str = r#"
 start: "(" num (" + " num)* ")"
 num: /[0-9]{1,3}/
 "#;
-const COLOURS: [&str; 3] = ["red", "green", "dark blue"];
+const COLOURS: [&str; 4] = ["red", "green", "dark blue", "sea/green (1.5+)"];
 
 /// Is `text` a sum as [`SUM_GRAMMAR`] writes it?
 fn is_sum(text: &str) -> bool {
