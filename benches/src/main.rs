@@ -5,6 +5,7 @@
 mod attention;
 mod decode_step;
 mod engine_bench;
+mod grammar;
 mod host_profile;
 mod linear;
 mod record;
@@ -168,6 +169,9 @@ enum Suite {
     Throughput,
     /// vLLM's `bench latency`: end-to-end time of one batch, through the engine.
     Latency,
+    /// Structured outputs' host cost: masks and matcher advances per step for `--ms` rows
+    /// (default 1,16,64,128,256) over `--output-len` steps; needs `--tokenizer` (no device).
+    Grammar,
     All,
 }
 
@@ -192,6 +196,23 @@ fn parse_dtype(name: &str) -> Result<DType> {
 
 fn main() -> Result<()> {
     let cli = Cli::parse();
+    let mut tables = Vec::new();
+    if cli.suite.contains(&Suite::Grammar) {
+        let dir = cli
+            .tokenizer
+            .as_deref()
+            .context("the grammar suite needs --tokenizer DIR (a folder with tokenizer.json)")?;
+        let rows = if cli.ms.is_empty() {
+            &[1, 16, 64, 128, 256][..]
+        } else {
+            &cli.ms[..]
+        };
+        let vocab = config(&cli.dummy)?.vocab_size;
+        tables.push(grammar::run(dir, vocab, rows, cli.output_len)?.json());
+    }
+    if cli.suite == [Suite::Grammar] {
+        return write_tables(&cli, &tables);
+    }
     let device = cli.device.device()?;
     let dtype = if matches!(cli.device, DeviceKind::Cuda(_)) {
         DType::BF16
@@ -200,7 +221,6 @@ fn main() -> Result<()> {
     };
     let want = |s: Suite| cli.suite.contains(&s) || cli.suite.contains(&Suite::All);
     let q = cli.quick;
-    let mut tables = Vec::new();
     if want(Suite::Linear) {
         let default: &[usize] = if q {
             &[1, 3, 40]
@@ -412,8 +432,13 @@ fn main() -> Result<()> {
         let ctx = record::RunContext::new(&cli.device, &format!("{dtype:?}"), engine);
         record::append(path, &ctx, &tables)?;
     }
-    if let Some(out) = cli.out {
-        std::fs::write(&out, serde_json::to_string_pretty(&tables)?)
+    write_tables(&cli, &tables)
+}
+
+/// Writes the tables as JSON to `--out`, if given.
+fn write_tables(cli: &Cli, tables: &[serde_json::Value]) -> Result<()> {
+    if let Some(out) = &cli.out {
+        std::fs::write(out, serde_json::to_string_pretty(tables)?)
             .with_context(|| out.display().to_string())?;
     }
     Ok(())

@@ -39,6 +39,7 @@
 //! | [`sample_into`] | as [`sample`], into the first `B` slots of an existing `i32` buffer, in place (the next step's graph reads them) |
 //! | [`write_ints`] | host `i32` values into a span of an existing device buffer, in place (graph inputs) |
 //! | [`mark_stream`] | a CUDA event on the device's stream behind everything enqueued (device timelines) |
+//! | [`UploadBuffer`] | host memory for an upload, filled in place: pinned on CUDA, so the upload makes no host copy |
 //! | [`read_ints_async`] | starts copying an `i32` buffer to the host behind the work that writes it; wait later |
 
 #![warn(missing_docs)]
@@ -51,6 +52,7 @@ mod device_caps;
 mod device_read;
 mod error;
 mod gpu_timeline;
+mod host_upload;
 mod host_write;
 mod knobs;
 pub mod ops;
@@ -69,6 +71,7 @@ pub use device::DeviceKind;
 pub use device_read::{PendingInts, ReadSlot, read_ints_async};
 pub use error::KernelError;
 pub use gpu_timeline::{GpuMark, MarkSlot, mark_stream};
+pub use host_upload::UploadBuffer;
 pub use host_write::{HostInts, write_ints};
 pub use rms_norm_linear::{
     FusedRmsNormLinear, LinearRoute, add_rms_norm_linear, check_args, linear, linear_add,

@@ -32,6 +32,7 @@ use crate::scheduler::{Scheduler, SchedulerLimits, SchedulerOutput};
 use crate::sequence::{FinishReason, RequestId, Sequence};
 use crate::step::StepSeq;
 use crate::structured_output::{GrammarCompiler, StructuredOutputs};
+use cubecl_kernels::UploadBuffer;
 
 /// The engine's resolved limits.
 #[derive(Clone, Debug, PartialEq)]
@@ -532,18 +533,20 @@ impl LLMEngine {
         // every request and the engine. A panicking backend counts as such a failure.
         let run = std::panic::catch_unwind(AssertUnwindSafe(|| self.run_forward(&sched)));
         let forward = self.device_result(run)?;
-        let mut masks = TokenMasks::default();
-        if forward
-            .rows
-            .iter()
-            .any(|&(id, _)| self.structured.contains(id))
-        {
+        let mut masks = TokenMasks::none(self.model_config.vocab_size);
+        let constrained: Vec<u32> = (0..forward.rows.len() as u32)
+            .filter(|&r| self.structured.contains(forward.rows[r as usize].0))
+            .collect();
+        if !constrained.is_empty() {
             // Constrained rows' grammars must have seen the previous step's tokens: finish that
-            // step now, while the device runs this one's forward pass, then compute the masks.
+            // step now, while the device runs this one's forward pass, then compute the masks
+            // into upload memory taken before the wait.
+            let words = self.model_config.vocab_size.div_ceil(32);
+            let upload = UploadBuffer::new(self.device(), constrained.len() * words);
             outputs.extend(self.finish_in_flight()?);
-            masks = self.token_masks(&forward.rows, &mut outputs);
+            masks = self.token_masks(&forward.rows, constrained, upload, &mut outputs);
         }
-        let run = std::panic::catch_unwind(AssertUnwindSafe(|| self.run_sampler(forward, &masks)));
+        let run = std::panic::catch_unwind(AssertUnwindSafe(|| self.run_sampler(forward, masks)));
         let ModelRun {
             in_flight,
             graph,
@@ -750,38 +753,49 @@ impl LLMEngine {
         })
     }
 
-    /// The constrained rows' token masks for this step (their grammars have seen every
-    /// drawn token). A request whose grammar fails ends with the error (in `outputs`); its
-    /// row then allows every token, and its draw is dropped.
+    /// The token masks of this step's `constrained` rows (of `rows`), written into `upload`
+    /// (their grammars have seen every drawn token). A request whose grammar fails ends with
+    /// the error (in `outputs`); its row then allows every token, as does the row of a request
+    /// that ended meanwhile, and their draws are dropped.
     fn token_masks(
         &mut self,
         rows: &[(RequestId, usize)],
+        constrained: Vec<u32>,
+        mut upload: UploadBuffer,
         outputs: &mut Vec<RequestOutput>,
     ) -> TokenMasks {
         let start = Instant::now();
-        let live: Vec<(usize, RequestId)> = rows
+        let live: Vec<Option<RequestId>> = constrained
             .iter()
-            .enumerate()
-            .filter(|&(_, &(id, _))| self.scheduler.get(id).is_some_and(|s| !s.is_finished()))
-            .map(|(r, &(id, _))| (r, id))
+            .map(|&r| rows[r as usize].0)
+            .map(|id| {
+                let live = self.scheduler.get(id).is_some_and(|s| !s.is_finished());
+                live.then_some(id)
+            })
             .collect();
-        let (mut allowed, mask_rows, failed) = self.structured.masks(&live);
+        let allowed = upload.as_mut_slice();
+        let failed = self.structured.masks(&live, allowed);
         // End-of-sequence and stop tokens before `min_tokens` leave the mask, unless nothing
         // else is left in it.
         let words = self.model_config.vocab_size.div_ceil(32);
-        for (k, &r) in mask_rows.iter().enumerate() {
-            let seq = self
-                .scheduler
-                .get(rows[r as usize].0)
-                .expect("live sequence");
+        for (k, id) in live.iter().enumerate() {
+            let Some(seq) = id.and_then(|id| self.scheduler.get(id)) else {
+                continue;
+            };
             let banned = self.banned_tokens(seq);
-            let mask = &mut allowed[k * words..(k + 1) * words];
-            let mut kept = mask.to_vec();
-            for t in banned {
-                kept[t as usize / 32] &= !(1u32 << (t % 32));
+            if banned.is_empty() {
+                continue;
             }
-            if kept.iter().any(|&w| w != 0) {
-                mask.copy_from_slice(&kept);
+            let mask = &mut allowed[k * words..(k + 1) * words];
+            let before: Vec<u32> = banned.iter().map(|&t| mask[t as usize / 32]).collect();
+            for &t in &banned {
+                mask[t as usize / 32] &= !(1u32 << (t % 32));
+            }
+            if mask.iter().all(|&w| w == 0) {
+                // Nothing else is left: the bans give way.
+                for (&t, w) in banned.iter().zip(before) {
+                    mask[t as usize / 32] = w;
+                }
             }
         }
         for (id, e) in failed {
@@ -789,16 +803,16 @@ impl LLMEngine {
             outputs.extend(self.end_request(id, reason));
         }
         self.stats.mask_steps += 1;
-        self.stats.masked_rows += mask_rows.len() as u64;
+        self.stats.masked_rows += live.iter().flatten().count() as u64;
         self.stats.mask_time += start.elapsed();
         TokenMasks {
-            allowed,
-            rows: mask_rows,
+            allowed: upload.into_data([constrained.len(), words]),
+            rows: constrained,
         }
     }
 
     /// The step's sampling (constrained rows under `masks`), enqueued behind its forward.
-    fn run_sampler(&mut self, forward: Forward, masks: &TokenMasks) -> Result<ModelRun> {
+    fn run_sampler(&mut self, forward: Forward, masks: TokenMasks) -> Result<ModelRun> {
         let Forward {
             logits,
             rows,
@@ -811,9 +825,13 @@ impl LLMEngine {
                 // for structured outputs) draw a greedy token nobody reads.
                 let stand_in = SamplingParams::greedy(1);
                 // A constrained row's bans are in its mask already.
+                let mut masked = vec![false; rows.len()];
+                for &r in &masks.rows {
+                    masked[r as usize] = true;
+                }
                 let banned: Vec<Vec<u32>> = (0..rows.len())
                     .map(|r| match self.scheduler.get(rows[r].0) {
-                        Some(seq) if !masks.rows.contains(&(r as u32)) => self.banned_tokens(seq),
+                        Some(seq) if !masked[r] => self.banned_tokens(seq),
                         _ => Vec::new(),
                     })
                     .collect();
@@ -1123,7 +1141,7 @@ fn warm_up_step(
     sampler::sample(
         logits,
         &rows,
-        &TokenMasks::default(),
+        TokenMasks::none(model.config.vocab_size),
         &vec![0; n],
         &mut draws,
     )?

@@ -180,17 +180,28 @@ impl Draws {
 
 /// Structured outputs' token bitmasks of some of a step's rows (see
 /// [`cubecl_kernels::mask_logits`]).
-#[derive(Clone, Debug, Default, PartialEq)]
+#[derive(Clone, Debug, PartialEq)]
 pub struct TokenMasks {
-    /// `rows.len()` masks of `⌈V/32⌉` u32 words (bit set = token allowed).
-    pub allowed: Vec<u32>,
+    /// `[rows.len(), ⌈V/32⌉]` u32 words (bit set = token allowed).
+    pub allowed: TensorData,
     /// The row of each mask.
     pub rows: Vec<u32>,
 }
 
+impl TokenMasks {
+    /// No masks, for a `vocab_size`-token vocabulary.
+    pub fn none(vocab_size: usize) -> Self {
+        Self {
+            allowed: TensorData::new(Vec::<u32>::new(), [0, vocab_size.div_ceil(32)]),
+            rows: Vec::new(),
+        }
+    }
+}
+
 /// Samples one token per row of `logits [rows, V]` (f32) into `draws[..rows]` (the runner's
 /// standing `[max_num_seqs]` i32 buffer, in place) and starts reading them back. Rows with a
-/// mask in `masks` draw only their allowed tokens. `counters[r]`
+/// mask in `masks` draw only their allowed tokens (the masks are uploaded as they are, not
+/// copied). `counters[r]`
 /// is the position of the token being drawn (it keys the row's random stream). With rows that
 /// ask for log-probabilities, the ids are read (and the log-probabilities computed) now. Also
 /// returns the time spent flushing the work to the device (which waits for it while an earlier
@@ -198,7 +209,7 @@ pub struct TokenMasks {
 pub fn sample(
     logits: Tensor<2>,
     rows: &[SamplerRow<'_>],
-    masks: &TokenMasks,
+    masks: TokenMasks,
     counters: &[u32],
     draws: &mut Tensor<1, Int>,
 ) -> Result<(Draws, Duration)> {
@@ -211,7 +222,7 @@ pub fn sample(
         .any(|r| r.params.logprobs.is_some())
         .then(|| logits.clone());
     let logits = apply_penalties(logits, rows);
-    let logits = cubecl_kernels::mask_logits(logits, &masks.allowed, &masks.rows)?;
+    let logits = cubecl_kernels::mask_logits(logits, masks.allowed, &masks.rows)?;
     let kernel_rows: Vec<SamplingRow> = rows
         .iter()
         .zip(counters)

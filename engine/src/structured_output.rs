@@ -213,6 +213,15 @@ impl GrammarMatcher {
         self.matcher.consume_token(token).map_err(|e| e.to_string())
     }
 
+    /// What the last mask cost llguidance: trie nodes walked and token slices applied
+    /// (benchmarks; zeros before the first mask).
+    pub fn last_mask_cost(&self) -> (usize, usize) {
+        self.matcher
+            .last_step_stats()
+            .map(|s| (s.trie_nodes_walked, s.slices_applied))
+            .unwrap_or_default()
+    }
+
     /// True once the output is complete: the grammar allows nothing more (or an
     /// end-of-sequence token was accepted).
     pub fn is_finished(&self) -> bool {
@@ -221,10 +230,10 @@ impl GrammarMatcher {
 }
 
 /// Fills one mask row per matcher (`masks`: `matchers.len()` rows of `words` u32), the rows in
-/// parallel. A row whose grammar failed allows every token (its request ends with the error
-/// returned for it; its draw is dropped).
-fn fill_masks(
-    matchers: &mut [&mut GrammarMatcher],
+/// parallel. A row without a matcher (`None`: its request ended) or whose grammar failed allows
+/// every token (a failed request ends with the error returned for it; its draw is dropped).
+pub fn fill_masks(
+    matchers: &mut [Option<&mut GrammarMatcher>],
     masks: &mut [u32],
     words: usize,
 ) -> Vec<Option<String>> {
@@ -232,12 +241,22 @@ fn fill_masks(
         .par_iter_mut()
         .zip(masks.par_chunks_mut(words))
         .map(|(m, row)| {
-            let error = m.fill_mask(row).err();
-            if error.is_some() {
+            let error = m.as_mut().and_then(|m| m.fill_mask(row).err());
+            if m.is_none() || error.is_some() {
                 row.fill(u32::MAX);
             }
             error
         })
+        .collect()
+}
+
+/// Advances each matcher past its drawn token, the rows in parallel: for each, whether its
+/// output is now complete, or why the token breaks its constraint.
+pub fn accept_tokens(
+    rows: &mut [(&mut GrammarMatcher, u32)],
+) -> Vec<std::result::Result<bool, String>> {
+    rows.par_iter_mut()
+        .map(|(m, t)| m.accept(*t).map(|()| m.is_finished()))
         .collect()
 }
 
@@ -316,47 +335,39 @@ impl StructuredOutputs {
         tokens: &[(crate::sequence::RequestId, u32)],
     ) -> HashMap<crate::sequence::RequestId, std::result::Result<bool, String>> {
         let drawn: HashMap<_, u32> = tokens.iter().copied().collect();
-        let mut rows: Vec<(crate::sequence::RequestId, u32, &mut GrammarMatcher)> = self
+        let (ids, mut rows): (Vec<_>, Vec<_>) = self
             .matchers
             .iter_mut()
-            .filter_map(|(id, m)| drawn.get(id).map(|&t| (*id, t, m)))
-            .collect();
-        rows.par_iter_mut()
-            .map(|(id, t, m)| (*id, m.accept(*t).map(|()| m.is_finished())))
-            .collect()
+            .filter_map(|(id, m)| drawn.get(id).map(|&t| (*id, (m, t))))
+            .unzip();
+        ids.into_iter().zip(accept_tokens(&mut rows)).collect()
     }
 
-    /// The masks of `ids` (those still tracked; others are skipped), `⌈V/32⌉` words each, with
-    /// their positions in `ids`, and each row's error.
+    /// Fills `masks` (`rows.len()` rows of `⌈V/32⌉` words) with the masks of `rows`' requests,
+    /// in parallel; a `None` row, or one whose request is not tracked, allows every token.
+    /// Returns the requests whose grammar failed, with the error.
     pub(crate) fn masks(
         &mut self,
-        ids: &[(usize, crate::sequence::RequestId)],
-    ) -> (
-        Vec<u32>,
-        Vec<u32>,
-        Vec<(crate::sequence::RequestId, String)>,
-    ) {
+        rows: &[Option<crate::sequence::RequestId>],
+        masks: &mut [u32],
+    ) -> Vec<(crate::sequence::RequestId, String)> {
         let words = self.vocab_size.div_ceil(32);
-        let wanted: HashMap<_, usize> = ids.iter().map(|&(row, id)| (id, row)).collect();
-        let mut rows: Vec<(usize, crate::sequence::RequestId, &mut GrammarMatcher)> = self
-            .matchers
-            .iter_mut()
-            .filter_map(|(id, m)| wanted.get(id).map(|&row| (row, *id, m)))
-            .collect();
-        rows.sort_by_key(|r| r.0);
-        let mut masks = vec![0u32; rows.len() * words];
-        let mut matchers: Vec<&mut GrammarMatcher> = Vec::with_capacity(rows.len());
-        let mut order = Vec::with_capacity(rows.len());
-        for (row, id, m) in rows {
-            order.push((row as u32, id));
-            matchers.push(m);
-        }
-        let errors = fill_masks(&mut matchers, &mut masks, words);
-        let failed = order
+        let position: HashMap<_, usize> = rows
             .iter()
-            .zip(errors)
-            .filter_map(|(&(_, id), e)| e.map(|e| (id, e)))
+            .enumerate()
+            .filter_map(|(k, id)| id.map(|id| (id, k)))
             .collect();
-        (masks, order.into_iter().map(|(r, _)| r).collect(), failed)
+        let mut matchers: Vec<Option<&mut GrammarMatcher>> =
+            (0..rows.len()).map(|_| None).collect();
+        for (id, m) in self.matchers.iter_mut() {
+            if let Some(&k) = position.get(id) {
+                matchers[k] = Some(m);
+            }
+        }
+        fill_masks(&mut matchers, masks, words)
+            .into_iter()
+            .zip(rows)
+            .filter_map(|(e, id)| Some(((*id)?, e?)))
+            .collect()
     }
 }

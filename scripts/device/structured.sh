@@ -8,7 +8,10 @@
 #   bench (dist-bench/benches.xz, with fixtures/qwen2-tokenizer in the tree): bench.py
 #     (`benches nano`, Qwen2-0.5B random weights with the Qwen2 tokenizer) with 0 %, 50 % and
 #     100 % of the requests constrained to a JSON schema: output tok/s, per-step mask time; at
-#     100 % once more with CUDA events (`--gpu-timeline`): the device's busy and idle time per step.
+#     100 % once more with CUDA events (`--gpu-timeline`): the device's busy and idle time per step;
+#     first the host's grammar work alone (`benches grammar`: masks and matcher advances per step
+#     for 1–256 constrained rows, all cores and one thread). FRACTIONS (default "0 0.5 1") picks
+#     the bench.py runs.
 # Logs go to $OUT.
 set -uo pipefail
 source "$(dirname "$0")/unpack.sh"
@@ -26,7 +29,10 @@ if [[ -x /tmp/bin/engine && -e dist/engine.xz ]]; then
     | tee "$OUT/engine_structured.log" | grep -E "^test |test result|panicked|rror|left|right" | tail -30
 fi
 if [[ -x /tmp/bin/benches && -e dist-bench/benches.xz ]]; then
-  for f in 0 0.5 1; do
+  echo "== grammar masks and advances on the host ($(nproc) cores)"
+  timeout 200 /tmp/bin/benches grammar --tokenizer fixtures/qwen2-tokenizer \
+    --out "$OUT/grammar.json" 2>&1 | tee "$OUT/grammar.log" | quiet | tail -12
+  for f in ${FRACTIONS:-0 0.5 1}; do
     echo "== bench.py (nano), Qwen2-0.5B, --json-fraction $f"
     timeout 240 /tmp/bin/benches nano --device cuda --tokenizer fixtures/qwen2-tokenizer \
       --json-fraction $f --out "$OUT/nano-json-$f.json" 2>&1 | tee "$OUT/nano-json-$f.log" | quiet | tail -4

@@ -237,7 +237,11 @@ fn masked_rows_keep_only_their_allowed_tokens() {
             TensorData::new(logits.clone(), [b, vocab]),
             (&device, DType::F32),
         );
-        let got = cubecl_kernels::mask_logits(t, &allowed, &masked).unwrap();
+        // Through upload memory (pinned on CUDA: uploaded without a host copy).
+        let mut upload = cubecl_kernels::UploadBuffer::new(&device, allowed.len());
+        upload.as_mut_slice().copy_from_slice(&allowed);
+        let data = upload.into_data([masked.len(), words]);
+        let got = cubecl_kernels::mask_logits(t, data, &masked).unwrap();
         let mut want = logits.clone();
         reference::mask_logits(&mut want, vocab, &allowed, &masked);
         let host: Vec<f32> = got.clone().into_data().try_into_vec_as::<f32>().unwrap();
@@ -261,8 +265,9 @@ fn masked_rows_keep_only_their_allowed_tokens() {
     }
     // Bad arguments are errors, not kernel faults.
     let t = Tensor::<2>::zeros([2, 40], (&device, DType::F32));
-    let err = cubecl_kernels::mask_logits(t.clone(), &[0; 3], &[0]).unwrap_err();
-    assert!(err.to_string().contains("need 2 words"), "{err}");
-    let err = cubecl_kernels::mask_logits(t, &[0; 2], &[2]).unwrap_err();
+    let words = |n: usize| TensorData::new(vec![0u32; n], [1, n]);
+    let err = cubecl_kernels::mask_logits(t.clone(), words(3), &[0]).unwrap_err();
+    assert!(err.to_string().contains("need [1, 2] u32 words"), "{err}");
+    let err = cubecl_kernels::mask_logits(t, words(2), &[2]).unwrap_err();
     assert!(err.to_string().contains("row 2 of 2"), "{err}");
 }

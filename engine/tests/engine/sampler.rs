@@ -4,7 +4,7 @@ use std::sync::Arc;
 
 use burn::tensor::{DType, Device, Int, Tensor, TensorData};
 use engine::SamplingParams;
-use engine::sampler::{SamplerRow, apply_penalties, apply_penalties_host, sample};
+use engine::sampler::{SamplerRow, TokenMasks, apply_penalties, apply_penalties_host, sample};
 use rand::{Rng, SeedableRng, rngs::StdRng};
 
 fn rows_and_logits(vocab: usize) -> (Vec<Arc<SamplingParams>>, Vec<Vec<u32>>, Vec<f32>) {
@@ -86,7 +86,7 @@ fn check_penalties(device: &Device) {
     );
     let mut draws =
         Tensor::<1, Int>::from_data(TensorData::new(vec![0i32; 4], [4]), (device, DType::I32));
-    let out = sample(t, &row, &Default::default(), &[0], &mut draws)
+    let out = sample(t, &row, TokenMasks::none(vocab), &[0], &mut draws)
         .unwrap()
         .0
         .wait()
