@@ -36,6 +36,9 @@ pub(crate) struct Knobs {
     /// `BURN_NANOVLLM_DECODE_SPLIT_KEYS=keys`: a batch that fills the device alone splits its
     /// contexts into pieces of at least `keys` keys (default, and 0: it does not split).
     pub decode_split_keys: Option<usize>,
+    /// `BURN_NANOVLLM_SAMPLE_UNITS=units`: units per cube (per row) of the sampler on plane
+    /// devices (a power of two, at most the device's cube size).
+    pub sample_units: Option<usize>,
 }
 
 impl Knobs {
@@ -58,6 +61,7 @@ impl Knobs {
             decode_layout: numbers("BURN_NANOVLLM_DECODE").map(|[l, h, t]| (l, h, t)),
             decode_mma_planes: numbers("BURN_NANOVLLM_DECODE_MMA").map(|[p]| p),
             decode_split_keys: numbers("BURN_NANOVLLM_DECODE_SPLIT_KEYS").map(|[k]| k),
+            sample_units: numbers("BURN_NANOVLLM_SAMPLE_UNITS").map(|[u]| u),
         }
     }
 }

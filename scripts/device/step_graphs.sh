@@ -30,6 +30,8 @@
 #  12. attention against FlashAttention-3 in one command (`fa3`, needs dist-fa3/ = a copy of
 #      ../shared/peers/fa3): FA3's decode and prefill script, then `benches decode prefill`
 #      (fa3.csv, attention.log);
+#  13. the sampler's width (`sample`): the engine figures and bench.py with every request
+#      JSON-constrained, for each count of units per row in UNITS (default "256 1024").
 # SECTIONS (default "tests bench profile") picks which to run. Logs go to $OUT.
 set -uo pipefail
 source "$(dirname "$0")/unpack.sh"
@@ -70,6 +72,18 @@ bench() {
 }
 if [[ " $SECTIONS " == *" bench "* && -x $B ]]; then
   bench $B new
+fi
+# The sampler's units per row (`BURN_NANOVLLM_SAMPLE_UNITS`, UNITS="256 1024" by default):
+# the engine figures and bench.py with every request JSON-constrained, for each.
+if [[ " $SECTIONS " == *" sample "* && -x $B ]]; then
+  for u in ${UNITS:-256 1024}; do
+    BURN_NANOVLLM_SAMPLE_UNITS=$u bench $B units-$u
+    if [ -d fixtures/qwen2-tokenizer ]; then
+      echo "== [units-$u] bench.py (nano), every request JSON-constrained"
+      BURN_NANOVLLM_SAMPLE_UNITS=$u timeout 200 $B nano --device cuda --tokenizer fixtures/qwen2-tokenizer \
+        --json-fraction 1 --out "$OUT/units-$u-nano-json.json" 2>&1 | tee "$OUT/units-$u-nano-json.log" | quiet | tail -2
+    fi
+  done
 fi
 # The build before the step graphs (dist-old/benches-old.xz), same commands.
 if [[ " $SECTIONS " == *" old "* && -x /tmp/bin/benches-old ]]; then
