@@ -201,11 +201,10 @@ impl TokenMasks {
 /// Samples one token per row of `logits [rows, V]` (f32) into `draws[..rows]` (the runner's
 /// standing `[max_num_seqs]` i32 buffer, in place) and starts reading them back. Rows with a
 /// mask in `masks` draw only their allowed tokens (the masks are uploaded as they are, not
-/// copied). `counters[r]`
-/// is the position of the token being drawn (it keys the row's random stream). With rows that
-/// ask for log-probabilities, the ids are read (and the log-probabilities computed) now. Also
-/// returns the time spent flushing the work to the device (which waits for it while an earlier
-/// copy of `draws` is pending).
+/// copied). `counters[r]` is the position of the token being drawn (it keys the row's random
+/// stream). With rows that ask for log-probabilities, the ids are read (and the
+/// log-probabilities computed) now. Also returns the time spent flushing the work to the device
+/// (which waits for it while an earlier copy of `draws` is pending).
 pub fn sample(
     logits: Tensor<2>,
     rows: &[SamplerRow<'_>],
