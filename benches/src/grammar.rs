@@ -56,7 +56,7 @@ fn simulate(
     steps: usize,
     seed: u64,
 ) -> Result<Totals> {
-    let words = compiler.vocab_size().div_ceil(32);
+    let words = cubecl_kernels::mask_words(compiler.vocab_size());
     let mut rng = StdRng::seed_from_u64(seed);
     let mut matchers: Vec<GrammarMatcher> = (0..rows)
         .map(|_| compiler.compile(constraint))

@@ -80,7 +80,7 @@ pub use rms_norm_linear::{
 #[cfg(feature = "cuda")]
 pub use rms_norm_linear::{cublas_stream_ordered, cublas_unavailable_reason};
 pub use row_scale::{RowScale, fold_norm_gain};
-pub use sampling::{SamplingRow, mask_logits, sample, sample_into};
+pub use sampling::{SamplingRow, mask_logits, mask_words, sample, sample_into};
 pub use silu_mul::silu_mul;
 
 use burn::backend::DispatchDevice;

@@ -541,7 +541,7 @@ impl LLMEngine {
             // Constrained rows' grammars must have seen the previous step's tokens: finish that
             // step now, while the device runs this one's forward pass, then compute the masks
             // into upload memory taken before the wait.
-            let words = self.model_config.vocab_size.div_ceil(32);
+            let words = cubecl_kernels::mask_words(self.model_config.vocab_size);
             let upload = UploadBuffer::new(self.device(), constrained.len() * words);
             outputs.extend(self.finish_in_flight()?);
             masks = self.token_masks(&forward.rows, constrained, upload, &mut outputs);
@@ -613,6 +613,11 @@ impl LLMEngine {
         Ok(outputs)
     }
 
+    /// True if `id` is scheduled and has not finished (stopped, failed or aborted).
+    fn is_running(&self, id: RequestId) -> bool {
+        self.scheduler.get(id).is_some_and(|s| !s.is_finished())
+    }
+
     /// True if `id`'s penalties need its drawn tokens on the host.
     fn needs_host_tokens(&self, id: RequestId) -> bool {
         self.scheduler.get(id).is_some_and(|s| {
@@ -659,7 +664,7 @@ impl LLMEngine {
             .iter()
             .zip(&sampled)
             .filter(|((id, _), _)| self.structured.contains(*id))
-            .filter(|((id, _), _)| self.scheduler.get(*id).is_some_and(|s| !s.is_finished()))
+            .filter(|((id, _), _)| self.is_running(*id))
             .map(|(&(id, _), s)| (id, s.token_id))
             .collect();
         let mut advanced = match drawn.is_empty() {
@@ -768,16 +773,13 @@ impl LLMEngine {
         let live: Vec<Option<RequestId>> = constrained
             .iter()
             .map(|&r| rows[r as usize].0)
-            .map(|id| {
-                let live = self.scheduler.get(id).is_some_and(|s| !s.is_finished());
-                live.then_some(id)
-            })
+            .map(|id| self.is_running(id).then_some(id))
             .collect();
         let allowed = upload.as_mut_slice();
         let failed = self.structured.masks(&live, allowed);
         // End-of-sequence and stop tokens before `min_tokens` leave the mask, unless nothing
         // else is left in it.
-        let words = self.model_config.vocab_size.div_ceil(32);
+        let words = cubecl_kernels::mask_words(self.model_config.vocab_size);
         for (k, id) in live.iter().enumerate() {
             let Some(seq) = id.and_then(|id| self.scheduler.get(id)) else {
                 continue;

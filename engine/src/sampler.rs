@@ -192,7 +192,10 @@ impl TokenMasks {
     /// No masks, for a `vocab_size`-token vocabulary.
     pub fn none(vocab_size: usize) -> Self {
         Self {
-            allowed: TensorData::new(Vec::<u32>::new(), [0, vocab_size.div_ceil(32)]),
+            allowed: TensorData::new(
+                Vec::<u32>::new(),
+                [0, cubecl_kernels::mask_words(vocab_size)],
+            ),
             rows: Vec::new(),
         }
     }

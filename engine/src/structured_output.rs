@@ -351,7 +351,7 @@ impl StructuredOutputs {
         rows: &[Option<crate::sequence::RequestId>],
         masks: &mut [u32],
     ) -> Vec<(crate::sequence::RequestId, String)> {
-        let words = self.vocab_size.div_ceil(32);
+        let words = cubecl_kernels::mask_words(self.vocab_size);
         let position: HashMap<_, usize> = rows
             .iter()
             .enumerate()

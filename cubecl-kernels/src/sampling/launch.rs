@@ -118,9 +118,9 @@ pub(crate) fn mask_logits(logits: CubeTensor, allowed: CubeTensor, rows: CubeTen
         rows.dtype
     );
     assert!(
-        allowed.meta.shape()[0] == m && allowed.meta.shape()[1] == v.div_ceil(32),
+        allowed.meta.shape()[0] == m && allowed.meta.shape()[1] == super::mask_words(v),
         "mask_logits: {m} rows of a {v}-token vocabulary need [{m}, {}] words, got {:?}",
-        v.div_ceil(32),
+        super::mask_words(v),
         allowed.meta.shape()
     );
     if m == 0 || v == 0 {

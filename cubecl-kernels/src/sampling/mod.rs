@@ -91,6 +91,12 @@ pub fn sample_into(
     Ok(())
 }
 
+/// u32 words of one token bitmask row over a `vocab_size`-token vocabulary: `⌈V/32⌉` (bit
+/// `t mod 32` of word `t / 32` is token `t`), the row width [`mask_logits`] takes.
+pub fn mask_words(vocab_size: usize) -> usize {
+    vocab_size.div_ceil(32)
+}
+
 /// Structured outputs' token masks: row `rows[r]` of `logits [B, V]` keeps only the tokens
 /// whose bit is set in row `r` of `allowed` (`[M, W]` u32, `M = rows.len()`, `W = ⌈V/32⌉`;
 /// bit `t mod 32` of word `t / 32` is token `t`), every other one becomes −∞; rows not listed
@@ -103,7 +109,7 @@ pub fn mask_logits(
     rows: &[u32],
 ) -> Result<Tensor<2>, KernelError> {
     let [b, v] = logits.dims();
-    let (m, words) = (rows.len(), v.div_ceil(32));
+    let (m, words) = (rows.len(), mask_words(v));
     if allowed.shape().as_slice() != [m, words] || allowed.dtype() != DType::U32 {
         return Err(KernelError::invalid(format!(
             "mask_logits: {m} rows of a {v}-token vocabulary need [{m}, {words}] u32 words, \

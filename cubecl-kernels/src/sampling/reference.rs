@@ -110,7 +110,7 @@ pub fn sample_row(logits: &[f32], row: &SamplingRow) -> u32 {
 /// Sets every token of row `rows[r]` of `logits` (rows of `vocab` values) whose bit is clear in
 /// `allowed[r·⌈vocab/32⌉..]` to −∞: the host version of [`super::mask_logits`].
 pub fn mask_logits(logits: &mut [f32], vocab: usize, allowed: &[u32], rows: &[u32]) {
-    let words = vocab.div_ceil(32);
+    let words = super::mask_words(vocab);
     for (r, &row) in rows.iter().enumerate() {
         let mask = &allowed[r * words..(r + 1) * words];
         let x = &mut logits[row as usize * vocab..(row as usize + 1) * vocab];
