@@ -534,7 +534,8 @@ impl StepGraphs {
         Ok(this)
     }
 
-    /// The padded forward over a graph's buffers: logits `[S, V]` (f32) of its sample rows.
+    /// The padded forward over a graph's buffers: logits `[S, V]` (the model's dtype) of its
+    /// sample rows.
     /// The inputs' views are taken here, inside the captured run; rows with a draw row take
     /// their token from `draws` (the runner's standing buffer).
     fn forward(&self, buffers: &Buffers, cap: Capacity, draws: &Tensor<1, Int>) -> Tensor<2> {
@@ -542,7 +543,7 @@ impl StepGraphs {
         let meta = buffers.metadata(cap, width, bs, rows, self.max_model_len);
         let ids = feed_draws(buffers.part(IDS), buffers.part(DRAW_ROWS), draws.clone());
         let mut cache = self.cache.lock().expect("KV cache lock");
-        self.model.forward(
+        self.model.forward_model_dtype(
             ids,
             &meta,
             &mut cache,
@@ -573,7 +574,7 @@ impl StepGraphs {
     }
 
     /// Runs the step `seqs` (decode rows first) through the smallest graph that holds it;
-    /// returns the logits `[rows that sample, V]` (f32; all `S` rows, padding included, when
+    /// returns the logits `[rows that sample, V]` (the model's dtype; all `S` rows, padding included, when
     /// none samples), or `None` when no graph holds it. `draws` is the runner's standing buffer
     /// of the last step's tokens (a captured graph reads it by address). With `mark`, a mark
     /// of the device's stream right before the replay goes there

@@ -43,8 +43,8 @@ pub fn cuda_device_name(_index: usize) -> Option<String> {
 
 /// Bytes the step graphs of token counts `sizes` keep pinned beyond the KV pool: a graph
 /// keeps the pages its recorded run touched, at most every activation of every layer for each
-/// of its tokens and the f32 and model-dtype logits of its sample rows (`min(size,
-/// max_num_seqs)`), twice for buckets with a decode-only graph; half as much again for the
+/// of its tokens and the (model-dtype) logits of its sample rows (`min(size, max_num_seqs)`),
+/// twice for buckets with a decode-only graph; half as much again for the
 /// pools' page granularity.
 pub fn graph_bytes(
     config: &Qwen2Config,
@@ -57,7 +57,7 @@ pub fn graph_bytes(
         + 3 * config.hidden_size
         + 3 * config.intermediate_size;
     let per_token = config.num_hidden_layers * per_layer * dtype_size;
-    let per_sample = config.vocab_size * (4 + dtype_size);
+    let per_sample = config.vocab_size * dtype_size;
     let bytes: usize = sizes
         .iter()
         .map(|&t| {

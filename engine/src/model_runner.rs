@@ -177,8 +177,8 @@ impl ModelRunner {
 
     /// Runs one step. `seqs` lists the decode rows (one new token each) first, then the
     /// prefill chunks; a row with [`StepSeq::pending_row`] takes its token from the last
-    /// step's draws. Returns the f32 logits `[rows, V]` of the sequences that sample, in
-    /// order, or `None` when none samples.
+    /// step's draws. Returns the logits `[rows, V]` of the sequences that sample, in order, in
+    /// the model's dtype (the sampler reads them as they are), or `None` when none samples.
     pub fn forward(&mut self, seqs: &[StepSeq<'_>]) -> Result<Option<Tensor<2>>> {
         let start = Instant::now();
         let index = self.forwards;
@@ -241,7 +241,7 @@ impl ModelRunner {
         } else if sample_rows.len() == ids.len() {
             Some(
                 self.model
-                    .forward(input, &meta, &mut cache, LogitsRows::All),
+                    .forward_model_dtype(input, &meta, &mut cache, LogitsRows::All),
             )
         } else {
             let n = sample_rows.len();
@@ -255,10 +255,12 @@ impl ModelRunner {
                 ),
                 (&self.device, DType::I32),
             );
-            Some(
-                self.model
-                    .forward(input, &meta, &mut cache, LogitsRows::Rows(Box::new(rows))),
-            )
+            Some(self.model.forward_model_dtype(
+                input,
+                &meta,
+                &mut cache,
+                LogitsRows::Rows(Box::new(rows)),
+            ))
         };
         self.stats.eager_steps += 1;
         self.stats.prepare_time += start.elapsed();

@@ -9,7 +9,9 @@
 use std::collections::BTreeMap;
 use std::time::{Duration, Instant};
 
-use burn::tensor::{DType, IndexingUpdateOp, Int, Tensor, TensorData, activation::log_softmax};
+use burn::tensor::{
+    DType, FloatDType, IndexingUpdateOp, Int, Tensor, TensorData, activation::log_softmax,
+};
 use cubecl_kernels::SamplingRow;
 
 use crate::error::{EngineError, Result};
@@ -114,7 +116,8 @@ pub fn apply_penalties_host(logits: &mut [f32], vocab: usize, rows: &[SamplerRow
     }
 }
 
-/// Applies the rows' penalties and bans to `logits [rows, V]` (f32) on its device.
+/// Applies the rows' penalties and bans to `logits [rows, V]` on its device; returns them as
+/// they came when no row has any, else in f32.
 pub fn apply_penalties(logits: Tensor<2>, rows: &[SamplerRow<'_>]) -> Tensor<2> {
     let [s, v] = logits.dims();
     let mut index = Vec::new();
@@ -139,7 +142,7 @@ pub fn apply_penalties(logits: Tensor<2>, rows: &[SamplerRow<'_>]) -> Tensor<2> 
         Tensor::<1>::from_data(TensorData::new(repetition, [n]), (&device, DType::F32));
     let subtract = Tensor::<1>::from_data(TensorData::new(subtract, [n]), (&device, DType::F32));
     let banned = Tensor::<1, burn::tensor::Bool>::from_data(TensorData::new(banned, [n]), &device);
-    let flat = logits.reshape([s * v]);
+    let flat = logits.cast(FloatDType::F32).reshape([s * v]);
     let x = flat.clone().select(0, index.clone());
     let positive = x.clone().greater_elem(0.0);
     let scaled = (x.clone() * repetition.clone()).mask_where(positive, x / repetition);
@@ -201,7 +204,8 @@ impl TokenMasks {
     }
 }
 
-/// Samples one token per row of `logits [rows, V]` (f32) into `draws[..rows]` (the runner's
+/// Samples one token per row of `logits [rows, V]` (f32, f16 or bf16: the model's, read as
+/// they are) into `draws[..rows]` (the runner's
 /// standing `[max_num_seqs]` i32 buffer, in place) and starts reading them back. Rows with a
 /// mask in `masks` draw only their allowed tokens (the masks are uploaded as they are, not
 /// copied). `counters[r]` is the position of the token being drawn (it keys the row's random
@@ -270,7 +274,7 @@ fn logprobs(
         TensorData::new(wanted.iter().map(|&r| r as i64).collect::<Vec<_>>(), [n]),
         &device,
     );
-    let lsm = log_softmax(raw.select(0, sel), 1);
+    let lsm = log_softmax(raw.select(0, sel).cast(FloatDType::F32), 1);
     let picked = Tensor::<2, Int>::from_data(
         TensorData::new(
             wanted.iter().map(|&r| ids[r] as i64).collect::<Vec<_>>(),

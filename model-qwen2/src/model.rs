@@ -279,6 +279,21 @@ impl Qwen2Model {
         cache: &mut KvCache,
         rows: LogitsRows,
     ) -> Tensor<2> {
+        self.forward_model_dtype(input_ids, meta, cache, rows)
+            .cast(FloatDType::F32)
+    }
+
+    /// [`Self::forward`] with the logits in the model's dtype (bf16 for a bf16 checkpoint), as
+    /// the LM head writes them: for consumers that read them as they are, such as
+    /// `cubecl_kernels::sample`, which then need no f32 copy of `[rows, V]` (at 256 rows of a
+    /// 152k vocabulary, 155 MB written and read every decode step). Same shapes as `forward`.
+    pub fn forward_model_dtype(
+        &self,
+        input_ids: Tensor<1, Int>,
+        meta: &AttentionMetadata,
+        cache: &mut KvCache,
+        rows: LogitsRows,
+    ) -> Tensor<2> {
         let h = self.forward_hidden(input_ids, meta, cache);
         let h = match rows {
             LogitsRows::All => h,
@@ -297,9 +312,7 @@ impl Qwen2Model {
             }
             LogitsRows::Rows(idx) => h.select(0, *idx),
         };
-        self.norm
-            .forward_linear(h, &self.lm_head)
-            .cast(FloatDType::F32)
+        self.norm.forward_linear(h, &self.lm_head)
     }
 
     /// Runs the decoder layers; returns the final residual stream `[num_tokens, H]` (before

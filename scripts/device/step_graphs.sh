@@ -31,7 +31,10 @@
 #      ../shared/peers/fa3): FA3's decode and prefill script, then `benches decode prefill`
 #      (fa3.csv, attention.log);
 #  13. the sampler's width (`sample`): the engine figures and bench.py with every request
-#      JSON-constrained, for each count of units per row in UNITS (default "256 1024").
+#      JSON-constrained, for each count of units per row in UNITS (default "256 1024");
+#  14. each kernel's device time in decode steps (`kprofile`): Nsight Compute (clocks and L2
+#      left alone) over a window of launches per KPROFILE entry (see the section) into
+#      kprofile-*.log, with a per-kernel total table printed.
 # SECTIONS (default "tests bench profile") picks which to run. Logs go to $OUT.
 set -uo pipefail
 source "$(dirname "$0")/unpack.sh"
@@ -218,6 +221,32 @@ if [[ " $SECTIONS " == *" fa3 "* && -x $B && -d dist-fa3 ]]; then
   bash dist-fa3/setup.sh >/dev/null && PYTHONPATH=/tmp/fa3site timeout 300 python3 dist-fa3/fa3_attention.py \
     2>&1 | tee "$OUT/fa3.csv" | grep -E "^fa3_"
   timeout 300 $B decode prefill --device cuda --ours-only 2>&1 | tee "$OUT/attention.log" | grep -E "^qwen|^model"
+fi
+if [[ " $SECTIONS " == *" kprofile "* && -x $B ]]; then
+  # name:launches to skip:launches to profile:benches arguments (commas for spaces). Defaults:
+  # one request and 32 of 1,024 tokens (Qwen2-0.5B), then bench.py on Qwen3-0.6B in its
+  # 129-256-row, 33-128-row and 1-32-row decode phases.
+  DEF="q2-b1:30000:800:latency,--batch-size,1,--input-len,512,--output-len,512,--iters,1
+       q2-b32:30000:800:latency,--batch-size,32,--input-len,1024,--output-len,512,--iters,1
+       q3-nano-full:50000:600:nano,--dummy,qwen3-0.6b
+       q3-nano-mid:140000:600:nano,--dummy,qwen3-0.6b
+       q3-nano-tail:205000:600:nano,--dummy,qwen3-0.6b"
+  for spec in ${KPROFILE:-$DEF}; do
+    IFS=: read -r name skip count args <<< "$spec"
+    echo "== [$name] kernels, launches $skip..+$count: ${args//,/ }"
+    timeout 400 ncu --clock-control none --cache-control none \
+      --metrics gpu__time_duration.sum,dram__bytes_read.sum,dram__bytes_write.sum \
+      --launch-skip "$skip" --launch-count "$count" --print-summary per-kernel \
+      $B ${args//,/ } --device cuda > "$OUT/kprofile-$name.log" 2>&1
+    # Per kernel and grid: invocations, average µs, total µs, DRAM GB/s (read + write).
+    awk 'function mb(u, v) { return u == "Kbyte" ? v / 1e3 : u == "Gbyte" ? v * 1e3 : u == "byte" ? v / 1e6 : v }
+         /Invocations/ { n = $NF; k = $1 " " $2 $3 $4 }
+         /dram__bytes_read/ { r = mb($2, $NF) }
+         /dram__bytes_write/ { w = mb($2, $NF) }
+         /gpu__time_duration/ { t = ($2 == "ms") ? $NF * 1e3 : $NF }
+         /^ +-+ / && t > 0 { printf "%-62s %6d %9.2f %10.1f %7.0f\n", k, n, t, n * t, (r + w) / t * 1e3; t = 0 }' \
+      "$OUT/kprofile-$name.log" | sort -k5 -nr | head -30
+  done
 fi
 if [[ " $SECTIONS " == *" replay "* && -x $B ]]; then
   echo "== bench.py (graph-replayed decode steps), host profile"

@@ -1,8 +1,13 @@
 //! Device code of the sampler (no host code here: see `launch.rs`).
 //!
-//! Launch geometry: one cube per row of `logits [B, V]` (f32, unit inner stride, any row
-//! pitch); `units` units stride over the vocabulary, so every pass over a row is coalesced.
-//! Per row:
+//! Launch geometry: cubes `(row, part)` over `logits [B, V]` (f32, f16 or bf16 — the model's
+//! dtype, read as they are and widened to f32 in registers; unit inner stride, any row pitch);
+//! `units` units stride over the cube's slice of the vocabulary, so every pass over a row is
+//! coalesced. With `P > 1` parts (few rows: a row's draw would otherwise run on one
+//! multiprocessor) each part draws over its `⌈V/P⌉` tokens and writes its best score and token
+//! to `partial [B, P]`, and [`sample_combine`] keeps the best of each row; a row with a filter
+//! (whose threshold needs the whole row) runs on part 0 alone. The best score and the lowest id
+//! among equal scores do not depend on the split, so neither does the token. Per row:
 //! - greedy (`temperature ≤ 0`): one pass, the argmax (lowest id among equal maxima);
 //! - otherwise a Gumbel-max draw, `argmax_i (x_i / T + g_i)` over the kept tokens, with
 //!   `g_i = −ln(−ln u_i)` and `u_i` a counter-based hash of (seed, counter, i): one pass when no
@@ -25,6 +30,8 @@ pub struct SampleConfig {
     pub units: usize,
     /// Reduce through plane operations (else shared memory only).
     pub use_plane: bool,
+    /// Parts per row (the launch's y extent): 1 writes the tokens, more write partials.
+    pub parts: usize,
 }
 
 /// Histogram bins of one radix digit.
@@ -80,7 +87,7 @@ fn cube_max(value: f32, scratch: &mut Shared<[f32]>, #[comptime] use_plane: bool
     best
 }
 
-/// Index of the largest `value` over the cube (lowest index among equals), to every unit.
+/// The largest `value` over the cube and its index (lowest index among equals), to every unit.
 #[cube]
 fn cube_argmax(
     value: f32,
@@ -88,7 +95,7 @@ fn cube_argmax(
     scratch_v: &mut Shared<[f32]>,
     scratch_i: &mut Shared<[u32]>,
     #[comptime] use_plane: bool,
-) -> u32 {
+) -> (f32, u32) {
     let parts = if comptime!(use_plane) {
         CUBE_DIM_X / PLANE_DIM
     } else {
@@ -117,7 +124,19 @@ fn cube_argmax(
         }
     }
     sync_cube();
-    best_i
+    (best_v, best_i)
+}
+
+/// Whether row `row`'s draw has a filter (min-p, a binding top-k, top-p), whose threshold
+/// needs the whole row in one cube.
+#[cube]
+fn has_filter(params_f: &Tensor<f32>, params_u: &Tensor<u32>, row: usize, vocab: usize) -> bool {
+    let pf = row * params_f.stride(0);
+    let top_k = params_u[row * params_u.stride(0)];
+    params_f[pf] > 0.0
+        && (params_f[pf + 1] < 1.0
+            || params_f[pf + 2] > 0.0
+            || (top_k > 0 && (top_k as usize) < vocab))
 }
 
 /// The largest key `K ≥ floor` whose upper set `{keys ≥ K} ∩ {keys ≥ floor}` holds at least
@@ -126,8 +145,8 @@ fn cube_argmax(
 /// when the kept tokens hold less than `need`.
 #[cube]
 #[allow(clippy::too_many_arguments)]
-fn radix_select(
-    logits: &Tensor<f32>,
+fn radix_select<F: Float>(
+    logits: &Tensor<F>,
     base: usize,
     vocab: usize,
     floor: u32,
@@ -164,7 +183,7 @@ fn radix_select(
         if skip == 0 {
             let mut i = tid;
             while i < vocab {
-                let x = logits[base + i];
+                let x = f32::cast_from(logits[base + i]);
                 let key = order_key(x);
                 if key >= floor && (key & mask) == prefix {
                     let weight = if by_mass {
@@ -218,19 +237,36 @@ fn radix_select(
 }
 
 /// See the module documentation. `params_f [B, 4]` = (temperature, top_p, min_p, −),
-/// `params_u [B, 4]` = (top_k, seed_lo, seed_hi, counter); `tokens [B]`.
+/// `params_u [B, 4]` = (top_k, seed_lo, seed_hi, counter); `tokens [B]` when the launch has
+/// one part per row, else `partial_v`, `partial_i [B, P]` (each part's best score and token).
 #[cube(launch_unchecked)]
-pub fn sample_rows(
-    logits: &Tensor<f32>,
+#[allow(clippy::too_many_arguments)]
+pub fn sample_rows<F: Float>(
+    logits: &Tensor<F>,
     params_f: &Tensor<f32>,
     params_u: &Tensor<u32>,
     tokens: &mut Tensor<i32>,
+    partial_v: &mut Tensor<f32>,
+    partial_i: &mut Tensor<u32>,
     #[comptime] cfg: SampleConfig,
+    #[define(F)] _dtype: ElemType,
 ) {
     let row = CUBE_POS_X as usize;
+    let part = CUBE_POS_Y as usize;
     let tid = UNIT_POS_X as usize;
     let units = cfg.units;
     let vocab = logits.shape(1);
+    let parts = select(
+        has_filter(params_f, params_u, row, vocab),
+        1usize,
+        CUBE_COUNT_Y as usize,
+    );
+    if part >= parts {
+        terminate!();
+    }
+    let chunk = vocab.div_ceil(parts);
+    let first = part * chunk;
+    let end = min(vocab, first + chunk);
     let base = row * logits.stride(0);
     let pf = row * params_f.stride(0);
     let pu = row * params_u.stride(0);
@@ -244,9 +280,9 @@ pub fn sample_rows(
     let mut best = f32::new(f32::NEG_INFINITY);
     let mut best_i = 0xffff_ffffu32;
     if temperature <= 0.0 {
-        let mut i = tid;
-        while i < vocab {
-            let x = logits[base + i];
+        let mut i = first + tid;
+        while i < end {
+            let x = f32::cast_from(logits[base + i]);
             if x > best {
                 best = x;
                 best_i = i as u32;
@@ -267,7 +303,7 @@ pub fn sample_rows(
             let mut local = f32::new(f32::NEG_INFINITY);
             let mut i = tid;
             while i < vocab {
-                local = max(local, logits[base + i]);
+                local = max(local, f32::cast_from(logits[base + i]));
                 i += units;
             }
             let m = cube_max(local, &mut scratch_v, cfg.use_plane);
@@ -309,9 +345,9 @@ pub fn sample_rows(
                 );
             }
         }
-        let mut i = tid;
-        while i < vocab {
-            let x = logits[base + i];
+        let mut i = first + tid;
+        while i < end {
+            let x = f32::cast_from(logits[base + i]);
             if order_key(x) >= floor {
                 let u = uniform(row_key, i as u32);
                 let score = x * inv_t - f32::ln(-f32::ln(u));
@@ -323,24 +359,68 @@ pub fn sample_rows(
             i += units;
         }
     }
-    let token = cube_argmax(best, best_i, &mut scratch_v, &mut scratch_i, cfg.use_plane);
+    let (score, token) = cube_argmax(best, best_i, &mut scratch_v, &mut scratch_i, cfg.use_plane);
     if tid == 0 {
-        tokens[row] = token as i32;
+        if comptime!(cfg.parts > 1) {
+            let at = row * partial_v.stride(0) + part;
+            partial_v[at] = score;
+            partial_i[at] = token;
+        } else {
+            tokens[row] = token as i32;
+        }
+    }
+}
+
+/// The token of each row of a split [`sample_rows`]: the best of its parts' scores (the lowest
+/// token among equal ones), one unit per row, into `tokens [B]`.
+#[cube(launch_unchecked)]
+pub fn sample_combine(
+    partial_v: &Tensor<f32>,
+    partial_i: &Tensor<u32>,
+    params_f: &Tensor<f32>,
+    params_u: &Tensor<u32>,
+    tokens: &mut Tensor<i32>,
+    vocab: usize,
+) {
+    let row = (CUBE_POS_X * CUBE_DIM_X + UNIT_POS_X) as usize;
+    if row < partial_v.shape(0) {
+        let parts = select(
+            has_filter(params_f, params_u, row, vocab),
+            1usize,
+            partial_v.shape(1),
+        );
+        let base = row * partial_v.stride(0);
+        let mut best_v = partial_v[base];
+        let mut best_i = partial_i[base];
+        for p in 1..parts {
+            let v = partial_v[base + p];
+            let i = partial_i[base + p];
+            if v > best_v || (v == best_v && i < best_i) {
+                best_v = v;
+                best_i = i;
+            }
+        }
+        tokens[row] = best_i as i32;
     }
 }
 
 /// Structured outputs' token masks: cube `(c, r)` covers tokens `c·CUBE_DIM_X..` of
 /// `logits [B, V]` row `rows[r]`, one unit per token: bit `t mod 32` of word `t / 32` of
-/// `allowed [M, ⌈V/32⌉]` clear sets `logits[rows[r], t]` to −∞ (in place).
+/// `allowed [M, ⌈V/32⌉]` clear sets `logits[rows[r], t]` to −∞ (in place; f32, f16 or bf16).
 #[cube(launch_unchecked)]
-pub fn mask_disallowed(logits: &mut Tensor<f32>, allowed: &Tensor<u32>, rows: &Tensor<u32>) {
+pub fn mask_disallowed<F: Float>(
+    logits: &mut Tensor<F>,
+    allowed: &Tensor<u32>,
+    rows: &Tensor<u32>,
+    #[define(F)] _dtype: ElemType,
+) {
     let r = CUBE_POS_Y as usize;
     let t = CUBE_POS_X as usize * CUBE_DIM_X as usize + UNIT_POS_X as usize;
     if t < logits.shape(1) {
         let word = allowed[r * allowed.stride(0) + t / 32];
         if (word >> (t % 32) as u32) & 1u32 == 0u32 {
             let at = rows[r] as usize * logits.stride(0) + t;
-            logits[at] = f32::new(f32::NEG_INFINITY);
+            logits[at] = F::cast_from(f32::NEG_INFINITY);
         }
     }
 }

@@ -59,16 +59,45 @@ fn cases(rng: &mut rand::rngs::StdRng, vocab: usize) -> (Vec<f32>, Vec<SamplingR
     (logits, rows)
 }
 
+/// `logits` as a `dtype` tensor on `device`, and the values it holds (rounded to `dtype`).
+fn upload(
+    logits: &[f32],
+    shape: [usize; 2],
+    dtype: DType,
+    device: &burn::tensor::Device,
+) -> (Tensor<2>, Vec<f32>) {
+    let held: Vec<f32> = match dtype {
+        DType::BF16 => logits
+            .iter()
+            .map(|&x| half::bf16::from_f32(x).to_f32())
+            .collect(),
+        DType::F16 => logits
+            .iter()
+            .map(|&x| half::f16::from_f32(x).to_f32())
+            .collect(),
+        _ => logits.to_vec(),
+    };
+    let t = Tensor::<2>::from_data(TensorData::new(held.clone(), shape), (device, dtype));
+    assert_eq!(t.dtype(), dtype);
+    (t, held)
+}
+
+/// The kernel reads the logits in the model's dtype (f32, bf16 or f16) as they are: the same
+/// draws as the host reference over the values the tensor holds.
 #[test]
 fn sampling_matches_host_reference() {
     let mut rng = rng("sampling_matches_host_reference");
     let device = kernel_device();
-    for vocab in [3, 257, 1000] {
+    for (vocab, dtype) in [
+        (3, DType::F32),
+        (257, DType::F32),
+        (1000, DType::F32),
+        (257, DType::BF16),
+        (1000, DType::BF16),
+        (1000, DType::F16),
+    ] {
         let (logits, rows) = cases(&mut rng, vocab);
-        let t = Tensor::<2>::from_data(
-            TensorData::new(logits.clone(), [rows.len(), vocab]),
-            (&device, DType::F32),
-        );
+        let (t, logits) = upload(&logits, [rows.len(), vocab], dtype, &device);
         let got: Vec<i64> = cubecl_kernels::sample(t, &rows)
             .unwrap()
             .into_data()
@@ -76,37 +105,72 @@ fn sampling_matches_host_reference() {
             .unwrap();
         for (r, row) in rows.iter().enumerate() {
             let x = &logits[r * vocab..(r + 1) * vocab];
-            let want = reference::sample_row(x, row);
-            let g = got[r] as u32;
-            assert!(
-                (g as usize) < vocab,
-                "row {r}: token {g} outside the vocabulary"
-            );
-            // The kernel keeps exactly the reference's set of tokens…
-            let floor = reference::threshold(x, row);
-            assert!(
-                reference::order_key(x[g as usize]) >= floor,
-                "row {r} (V={vocab}): token {g} was filtered out"
-            );
-            if g != want {
-                // …and draws the same token unless two scores tie to rounding.
-                let score = |i: u32| {
-                    let key = reference::row_key(row);
-                    x[i as usize] / row.temperature - (-reference::uniform(key, i).ln()).ln()
-                };
-                assert!(
-                    row.temperature > 0.0 && (score(g) - score(want)).abs() < 1e-4,
-                    "row {r} (V={vocab}): kernel drew {g}, reference {want}"
-                );
-            }
+            check_draw(x, row, got[r], &format!("row {r} (V={vocab}, {dtype:?})"));
         }
         if vocab > 20 {
             assert_eq!(got[1], 10, "ties: the lowest id");
+            // Top-k = 1 keeps the maximum (every copy of it: bf16 rounding makes ties).
+            let row4 = &logits[4 * vocab..5 * vocab];
             assert_eq!(
-                got[4] as usize,
-                argmax(&logits[4 * vocab..5 * vocab]),
-                "top_k = 1 is greedy"
+                row4[got[4] as usize],
+                row4[argmax(row4)],
+                "top_k = 1 draws a maximum"
             );
+        }
+    }
+}
+
+/// The kernel's token `got` for a row of logits `x`: one the reference keeps, and the
+/// reference's draw unless two scores tie to rounding.
+fn check_draw(x: &[f32], row: &SamplingRow, got: i64, what: &str) {
+    let want = reference::sample_row(x, row);
+    let g = got as u32;
+    assert!(
+        (g as usize) < x.len(),
+        "{what}: token {g} outside the vocabulary"
+    );
+    let floor = reference::threshold(x, row);
+    assert!(
+        reference::order_key(x[g as usize]) >= floor,
+        "{what}: token {g} was filtered out"
+    );
+    if g != want {
+        let score = |i: u32| {
+            let key = reference::row_key(row);
+            x[i as usize] / row.temperature - (-reference::uniform(key, i).ln()).ln()
+        };
+        assert!(
+            row.temperature > 0.0 && (score(g) - score(want)).abs() < 1e-4,
+            "{what}: kernel drew {g}, reference {want}"
+        );
+    }
+}
+
+/// A row drawn alone, whose draw is split over several cubes (few rows leave the device
+/// idle), gets the token the reference draws and the one it gets among other rows: every kind
+/// of row (filtered rows stay whole), f32 and bf16.
+#[test]
+fn split_rows_draw_the_tokens_of_whole_rows() {
+    let mut rng = rng("split_rows_draw_the_tokens_of_whole_rows");
+    let device = kernel_device();
+    for (vocab, dtype) in [(3000, DType::F32), (40_000, DType::BF16)] {
+        let (logits, rows) = cases(&mut rng, vocab);
+        let (t, logits) = upload(&logits, [rows.len(), vocab], dtype, &device);
+        let draws = |t: Tensor<2>, rows: &[SamplingRow]| -> Vec<i64> {
+            cubecl_kernels::sample(t, rows)
+                .unwrap()
+                .into_data()
+                .try_into_vec_as::<i64>()
+                .unwrap()
+        };
+        let batched = draws(t, &rows);
+        for (r, row) in rows.iter().enumerate() {
+            let x = &logits[r * vocab..(r + 1) * vocab];
+            let (one, _) = upload(x, [1, vocab], dtype, &device);
+            let alone = draws(one, std::slice::from_ref(row))[0];
+            let what = format!("row {r} (V={vocab}, {dtype:?}) alone");
+            check_draw(x, row, alone, &what);
+            assert_eq!(alone, batched[r], "{what}: not the token of the batch");
         }
     }
 }
@@ -212,7 +276,12 @@ fn tokens_land_in_a_standing_buffer_and_read_back_as_of_the_call() {
 fn masked_rows_keep_only_their_allowed_tokens() {
     let mut rng = rng("masked_rows_keep_only_their_allowed_tokens");
     let device = kernel_device();
-    for vocab in [5, 32, 100, 1000] {
+    for (vocab, dtype) in [
+        (5, DType::F32),
+        (32, DType::BF16),
+        (100, DType::F32),
+        (1000, DType::BF16),
+    ] {
         let (logits, rows) = cases(&mut rng, vocab);
         let b = rows.len();
         let words = vocab.div_ceil(32);
@@ -233,15 +302,13 @@ fn masked_rows_keep_only_their_allowed_tokens() {
                 allowed[k * words + t / 32] |= 1 << (t % 32);
             }
         }
-        let t = Tensor::<2>::from_data(
-            TensorData::new(logits.clone(), [b, vocab]),
-            (&device, DType::F32),
-        );
+        let (t, logits) = upload(&logits, [b, vocab], dtype, &device);
         // Through upload memory (pinned on CUDA: uploaded without a host copy).
         let mut upload = cubecl_kernels::UploadBuffer::new(&device, allowed.len());
         upload.as_mut_slice().copy_from_slice(&allowed);
         let data = upload.into_data([masked.len(), words]);
         let got = cubecl_kernels::mask_logits(t, data, &masked).unwrap();
+        assert_eq!(got.dtype(), dtype, "masked in the logits' dtype");
         let mut want = logits.clone();
         reference::mask_logits(&mut want, vocab, &allowed, &masked);
         let host: Vec<f32> = got.clone().into_data().try_into_vec_as::<f32>().unwrap();
