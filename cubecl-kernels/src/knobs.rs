@@ -39,6 +39,9 @@ pub(crate) struct Knobs {
     /// `BURN_NANOVLLM_SAMPLE_UNITS=units`: units per cube (per row) of the sampler on plane
     /// devices (a power of two, at most the device's cube size).
     pub sample_units: Option<usize>,
+    /// `BURN_NANOVLLM_SAMPLE_FILL=cubes`: cubes per multiprocessor the sampler's row splits
+    /// aim for (0: one cube per row).
+    pub sample_fill: Option<usize>,
 }
 
 impl Knobs {
@@ -62,6 +65,7 @@ impl Knobs {
             decode_mma_planes: numbers("BURN_NANOVLLM_DECODE_MMA").map(|[p]| p),
             decode_split_keys: numbers("BURN_NANOVLLM_DECODE_SPLIT_KEYS").map(|[k]| k),
             sample_units: numbers("BURN_NANOVLLM_SAMPLE_UNITS").map(|[u]| u),
+            sample_fill: numbers("BURN_NANOVLLM_SAMPLE_FILL").map(|[c]| c),
         }
     }
 }

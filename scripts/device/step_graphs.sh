@@ -59,7 +59,7 @@ if [[ " $SECTIONS " == *" kernels "* && -x /tmp/bin/kernels ]]; then
   KERNEL_TEST_DEVICE=cuda timeout 300 /tmp/bin/kernels --test-threads=1 2>&1 \
     | tee "$OUT/kernel_tests.log" | grep -E "^test |test result|panicked|rror" | tail -30
 fi
-# The engine figures of one binary: equal lengths, ±90 %, bench.py, one request.
+# The engine figures of one binary: equal lengths, ±90 %, bench.py (Qwen2, Qwen3), one request.
 bench() {
   local bin=$1 tag=$2
   local T="throughput --device cuda --num-prompts 1000 --input-len 528 --output-len 136"
@@ -69,6 +69,9 @@ bench() {
   timeout 200 $bin $T --random-range-ratio 0.9 ${EXTRA:-} --out "$OUT/$tag-tp-range.json" 2>&1 | tee "$OUT/$tag-tp-range.log" | quiet | tail -3
   echo "== [$tag] bench.py (nano)"
   timeout 200 $bin nano --device cuda ${EXTRA:-} --out "$OUT/$tag-nano.json" 2>&1 | tee "$OUT/$tag-nano.log" | quiet | tail -3
+  echo "== [$tag] bench.py (nano), Qwen3-0.6B"
+  timeout 200 $bin nano --device cuda --dummy qwen3-0.6b ${EXTRA:-} --out "$OUT/$tag-nano-qwen3.json" 2>&1 \
+    | tee "$OUT/$tag-nano-qwen3.log" | quiet | tail -3
   echo "== [$tag] one request, 512 + 128"
   timeout 150 $bin latency --device cuda --batch-size 1 --input-len 512 --output-len 128 --iters 5 ${EXTRA:-} \
     --out "$OUT/$tag-latency.json" 2>&1 | tee "$OUT/$tag-latency.log" | quiet | tail -3

@@ -30,8 +30,6 @@ pub struct SampleConfig {
     pub units: usize,
     /// Reduce through plane operations (else shared memory only).
     pub use_plane: bool,
-    /// Parts per row (the launch's y extent): 1 writes the tokens, more write partials.
-    pub parts: usize,
 }
 
 /// Histogram bins of one radix digit.
@@ -239,6 +237,7 @@ fn radix_select<F: Float>(
 /// See the module documentation. `params_f [B, 4]` = (temperature, top_p, min_p, −),
 /// `params_u [B, 4]` = (top_k, seed_lo, seed_hi, counter); `tokens [B]` when the launch has
 /// one part per row, else `partial_v`, `partial_i [B, P]` (each part's best score and token).
+/// The part count is the grid's, not compiled in: one kernel serves every batch size.
 #[cube(launch_unchecked)]
 #[allow(clippy::too_many_arguments)]
 pub fn sample_rows<F: Float>(
@@ -361,7 +360,7 @@ pub fn sample_rows<F: Float>(
     }
     let (score, token) = cube_argmax(best, best_i, &mut scratch_v, &mut scratch_i, cfg.use_plane);
     if tid == 0 {
-        if comptime!(cfg.parts > 1) {
+        if CUBE_COUNT_Y > 1 {
             let at = row * partial_v.stride(0) + part;
             partial_v[at] = score;
             partial_i[at] = token;

@@ -73,16 +73,18 @@ pub(crate) fn sample(
         caps.cube_units
     };
     let v = logits.meta.shape()[1];
-    // Parts per row: enough cubes to fill the device twice over (a 1,024-unit cube is half a
-    // multiprocessor), each part at least `MIN_PART_UNIT_TOKENS` tokens per unit.
-    let parts = (2 * caps.multiprocessors)
-        .div_ceil(b)
-        .min(v / (MIN_PART_UNIT_TOKENS * units))
-        .clamp(1, MAX_PARTS);
+    // Parts per row: enough cubes for `FILL` per multiprocessor, each part at least
+    // `MIN_PART_UNIT_TOKENS` tokens per unit.
+    let parts = match crate::knobs::Knobs::get().sample_fill.unwrap_or(FILL) {
+        0 => 1,
+        fill => (fill * caps.multiprocessors)
+            .div_ceil(b)
+            .min(v / (MIN_PART_UNIT_TOKENS * units))
+            .clamp(1, MAX_PARTS),
+    };
     let cfg = SampleConfig {
         units,
         use_plane: caps.plane_ops,
-        parts,
     };
     let client = logits.client.clone();
     let partial = |dt: DType| {
@@ -130,6 +132,9 @@ pub(crate) fn sample(
     }
     out
 }
+
+/// Cubes per multiprocessor the row splits aim for (`BURN_NANOVLLM_SAMPLE_FILL`).
+const FILL: usize = 1;
 
 /// Most parts a row's draw is split into.
 const MAX_PARTS: usize = 32;
