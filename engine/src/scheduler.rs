@@ -352,6 +352,15 @@ impl Scheduler {
             }
         }
         self.free_after_last = self.free_places();
+        if !arrival_order() {
+            // Longest contexts first. The decode kernels launch one cube per (kv head, row) in
+            // row order and the device deals a launch's cubes out over its multiprocessors in
+            // turn, so in this order every multiprocessor gets a share of the long and the short
+            // contexts, where arrival order gives a few of them several long ones (the launch
+            // lasts as long as its busiest multiprocessor). A stable sort: equal contexts keep
+            // their order.
+            decodes.sort_by_key(|s| std::cmp::Reverse(self.seqs[&s.id].num_computed_tokens));
+        }
         out.num_decodes = decodes.len();
         out.seqs = decodes;
         out.seqs.extend(chunks);
@@ -490,4 +499,12 @@ impl Scheduler {
         seq.status = SequenceStatus::Finished;
         seq.finish_reason = Some(reason);
     }
+}
+
+/// `BURN_NANOVLLM_DECODE_ORDER=arrival` (benchmarks): decode rows in arrival order instead of
+/// longest context first.
+fn arrival_order() -> bool {
+    static ARRIVAL: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    *ARRIVAL
+        .get_or_init(|| std::env::var("BURN_NANOVLLM_DECODE_ORDER").is_ok_and(|v| v == "arrival"))
 }

@@ -166,58 +166,25 @@ pub fn combine_splits<F: Float>(
         terminate!();
     }
     let row0 = (seq * heads + h) * max_splits;
-    // The pieces are read `COMBINE_IN_FLIGHT` at a time, every load of a batch issued before
-    // any is used (indices clamped to the last piece, extra lanes weighted out): one piece per
-    // iteration made the loop a chain of dependent cache round trips.
-    let neg_inf = f32::new(f32::NEG_INFINITY);
-    let mut big = neg_inf;
-    let mut s0 = 0usize;
-    while s0 < splits {
-        let mut ms = Array::<f32>::new(COMBINE_IN_FLIGHT);
-        #[unroll]
-        for u in 0..COMBINE_IN_FLIGHT {
-            ms[u] = part_stats[(row0 + min(s0 + u, splits - 1)) * 2];
-        }
-        #[unroll]
-        for u in 0..COMBINE_IN_FLIGHT {
-            big = max(big, ms[u]);
-        }
-        s0 += COMBINE_IN_FLIGHT;
+    let mut big = f32::new(f32::NEG_INFINITY);
+    for s in 0..splits {
+        big = max(big, part_stats[(row0 + s) * 2]);
     }
     let mut j = UNIT_POS_X as usize;
     while j < head_dim {
         let mut num = 0.0f32;
         let mut den = 0.0f32;
-        let mut s0 = 0usize;
-        while s0 < splits {
-            let mut ms = Array::<f32>::new(COMBINE_IN_FLIGHT);
-            let mut ls = Array::<f32>::new(COMBINE_IN_FLIGHT);
-            let mut accs = Array::<f32>::new(COMBINE_IN_FLIGHT);
-            #[unroll]
-            for u in 0..COMBINE_IN_FLIGHT {
-                let row = row0 + min(s0 + u, splits - 1);
-                ms[u] = part_stats[row * 2];
-                ls[u] = part_stats[row * 2 + 1];
-                accs[u] = part_acc[row * head_dim + j];
-            }
-            #[unroll]
-            for u in 0..COMBINE_IN_FLIGHT {
-                let m = ms[u];
-                let live = s0 + u < splits && m != neg_inf;
-                let w = select(live, f32::exp(m - big), 0.0);
-                num += accs[u] * w;
-                den += ls[u] * w;
-            }
-            s0 += COMBINE_IN_FLIGHT;
+        for s in 0..splits {
+            let m = part_stats[(row0 + s) * 2];
+            let w = select(m == f32::new(f32::NEG_INFINITY), 0.0, f32::exp(m - big));
+            num += part_acc[(row0 + s) * head_dim + j] * w;
+            den += part_stats[(row0 + s) * 2 + 1] * w;
         }
         let at = seq * out.stride(0) + h * out.stride(1) + j;
         out[at] = F::cast_from(num / den);
         j += CUBE_DIM_X as usize;
     }
 }
-
-/// Pieces [`combine_splits`] reads at once.
-const COMBINE_IN_FLIGHT: usize = 8;
 
 /// Merges the states of a cube's key streams — `acc_s [streams][group][D]` (unnormalised
 /// outputs), `m_s`, `l_s [streams][group]` (running max and sum) — of one (kv head, piece)
