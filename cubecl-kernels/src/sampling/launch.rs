@@ -8,13 +8,14 @@ use cubecl::prelude::{CubeCount, CubeDim};
 use super::kernel::{SampleConfig, mask_disallowed, sample_combine, sample_rows};
 use crate::device_caps::DeviceCaps;
 
-/// Units per cube (one cube per row) on plane devices, or the device's most if fewer: each
-/// unit draws ~150 tokens of a 152k vocabulary, two logarithms each, so a row needs many units
-/// in flight. On the H100, 1,024 against 256 made bench.py 9 % faster (`docs/BENCHMARKS.md`).
+/// Units per cube (a row, or a part of one) on plane devices, or the device's most if fewer:
+/// each unit draws ~150 tokens of a 152k vocabulary, two logarithms each, so a row needs many
+/// units in flight. On the H100, 1,024 against 256 made bench.py 9 % faster (`docs/BENCHMARKS.md`).
 const MAX_UNITS: usize = 1024;
 
-/// Launches [`sample_rows`]: `logits [B, V]` f32, f16 or bf16, `params_f [B, 4]` f32, `params_u [B, 4]`
-/// u32 → `tokens [B]` i32, or into `out[..B]` (`out [n ≥ B]` i32, contiguous) in place.
+/// Launches [`sample_rows`] (and [`sample_combine`] when rows are split): `logits [B, V]` f32,
+/// f16 or bf16, `params_f [B, 4]` f32, `params_u [B, 4]` u32 → `tokens [B]` i32, or into
+/// `out[..B]` (`out [n ≥ B]` i32, contiguous) in place.
 pub(crate) fn sample(
     logits: CubeTensor,
     params_f: CubeTensor,

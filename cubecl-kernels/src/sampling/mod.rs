@@ -66,7 +66,8 @@ impl SamplingRow {
     }
 }
 
-/// One token per row of `logits [B, V]` → `[B]` (i32), on the logits' device.
+/// One token per row of `logits [B, V]` → `[B]` (i32), on the logits' device. The logits are
+/// read in their dtype (f32, f16 or bf16: a model's logits need no f32 copy).
 pub fn sample(logits: Tensor<2>, rows: &[SamplingRow]) -> Result<Tensor<1, Int>, KernelError> {
     sample_to(logits, rows, None)
 }
