@@ -574,8 +574,8 @@ impl StepGraphs {
     }
 
     /// Runs the step `seqs` (decode rows first) through the smallest graph that holds it;
-    /// returns the logits `[rows that sample, V]` (the model's dtype; all `S` rows, padding included, when
-    /// none samples), or `None` when no graph holds it. `draws` is the runner's standing buffer
+    /// returns the logits `[rows that sample, V]` (the model's dtype; all `S` rows, padding
+    /// included, when none samples), or `None` when no graph holds it. `draws` is the runner's standing buffer
     /// of the last step's tokens (a captured graph reads it by address). With `mark`, a mark
     /// of the device's stream right before the replay goes there
     /// ([`crate::EngineConfig::gpu_timeline`]).

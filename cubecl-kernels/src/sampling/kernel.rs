@@ -116,13 +116,20 @@ fn cube_argmax(
     for p in 1..parts {
         let v = scratch_v[p as usize];
         let i = scratch_i[p as usize];
-        if v > best_v || (v == best_v && i < best_i) {
+        if beats(v, i, best_v, best_i) {
             best_v = v;
             best_i = i;
         }
     }
     sync_cube();
     (best_v, best_i)
+}
+
+/// Whether score `v` of token `i` beats the best so far: a larger score, or an equal one of a
+/// lower token (the rule that makes a draw independent of how its row was split).
+#[cube]
+fn beats(v: f32, i: u32, best_v: f32, best_i: u32) -> bool {
+    v > best_v || (v == best_v && i < best_i)
 }
 
 /// Whether row `row`'s draw has a filter (min-p, a binding top-k, top-p), whose threshold
@@ -255,11 +262,8 @@ pub fn sample_rows<F: Float>(
     let tid = UNIT_POS_X as usize;
     let units = cfg.units;
     let vocab = logits.shape(1);
-    let parts = select(
-        has_filter(params_f, params_u, row, vocab),
-        1usize,
-        CUBE_COUNT_Y as usize,
-    );
+    let filtered = has_filter(params_f, params_u, row, vocab);
+    let parts = select(filtered, 1usize, CUBE_COUNT_Y as usize);
     if part >= parts {
         terminate!();
     }
@@ -298,7 +302,7 @@ pub fn sample_rows<F: Float>(
         );
         let topk_binds = top_k > 0 && (top_k as usize) < vocab;
         let mut floor = 0u32;
-        if top_p < 1.0 || min_p > 0.0 || topk_binds {
+        if filtered {
             let mut local = f32::new(f32::NEG_INFINITY);
             let mut i = tid;
             while i < vocab {
@@ -394,7 +398,7 @@ pub fn sample_combine(
         for p in 1..parts {
             let v = partial_v[base + p];
             let i = partial_i[base + p];
-            if v > best_v || (v == best_v && i < best_i) {
+            if beats(v, i, best_v, best_i) {
                 best_v = v;
                 best_i = i;
             }

@@ -149,9 +149,9 @@ const COMBINE_UNITS: usize = 64;
 /// Units per cube of [`mask_disallowed`]: one per token.
 const MASK_UNITS: u32 = 256;
 
-/// Launches [`mask_disallowed`] over `logits [B, V]` f32, f16 or bf16 (in place when the buffer is not
-/// shared, else on a copy): `allowed [M, ⌈V/32⌉]` u32 bitmasks of rows `rows [M]` u32 (each
-/// below `B`, checked by the caller).
+/// Launches [`mask_disallowed`] over `logits [B, V]` f32, f16 or bf16 (in place when the buffer
+/// is not shared, else on a copy): `allowed [M, ⌈V/32⌉]` u32 bitmasks of rows `rows [M]` u32
+/// (each below `B`, checked by the caller).
 pub(crate) fn mask_logits(logits: CubeTensor, allowed: CubeTensor, rows: CubeTensor) -> CubeTensor {
     let logits = crate::unit_inner_stride(logits);
     let logits = if logits.can_mut() {
@@ -200,6 +200,6 @@ pub(crate) fn mask_logits(logits: CubeTensor, allowed: CubeTensor, rows: CubeTen
 }
 
 /// The dtypes the sampler and the masks read logits in: a model's float dtypes.
-fn is_logits_dtype(dtype: DType) -> bool {
+pub(super) fn is_logits_dtype(dtype: DType) -> bool {
     matches!(dtype, DType::F32 | DType::F16 | DType::BF16)
 }

@@ -209,8 +209,9 @@ fn sample_to(
 /// Logits as the kernels read them: f32, f16 and bf16 as they are (a model's logits need no f32
 /// copy), any other float dtype cast to f32.
 fn logits_dtype(logits: Tensor<2>) -> Tensor<2> {
-    match logits.dtype() {
-        DType::F32 | DType::F16 | DType::BF16 => logits,
-        _ => logits.cast(FloatDType::F32),
+    if launch::is_logits_dtype(logits.dtype()) {
+        logits
+    } else {
+        logits.cast(FloatDType::F32)
     }
 }
