@@ -6,10 +6,14 @@
 //! The caches are `[num_blocks, block_size, kv_heads, D]`, contiguous, so slot `s` of head `h`
 //! starts at `(s·kv_heads + h)·D`. RoPE tables `cos`, `sin` are `[max_pos, D/2]` f32.
 //!
-//! Launch geometry: one cube per (token, head) over `heads + kv_heads` heads (`kv_heads` only
-//! for a plain write). A unit owns the rotation pairs `(j, j + D/2)` at `j = UNIT_POS + i·CUBE_DIM`;
-//! the norm's sum of squares is a cube reduction. Query heads write the rotated query to
-//! `q_out [T, heads·D]`; key/value heads write their slot unless it is −1.
+//! Launch geometry: one cube per (token, group of `H` heads) over `heads + kv_heads` heads
+//! (`kv_heads` only for a plain write), `U` units per head (`H·U` per cube): unit `u` works on
+//! head `group·H + u / U` and owns its rotation pairs `(j, j + D/2)` at `j = u mod U + i·U`; the
+//! norm's sum of squares is a reduction over the head's `U` units. Units past the last head only
+//! join the reductions. Query heads write the rotated query to `q_out [T, heads·D]`; key/value
+//! heads write their slot unless it is −1. Several heads per cube (rather than one: 6,144 cubes
+//! of 64 units for 256 Qwen3-0.6B tokens) make fewer, fuller cubes, and the row scale below is
+//! reduced once per group instead of once per head.
 //!
 //! The distance `D/2` between a pair's two elements is a run-time argument (`pair`), not the
 //! comptime `head_dim / 2`: on CubeCL's CPU runtime, LLVM 23 merges two bf16 stores at a known
@@ -56,7 +60,6 @@ pub struct QkvLayout {
 pub(crate) mod kernel {
     use cubecl::prelude::*;
 
-    use crate::rms_norm_linear::kernel::cube_sum;
     use crate::row_scale::row_inv_rms;
 
     /// Comptime part of the launch.
@@ -69,8 +72,45 @@ pub(crate) mod kernel {
         pub qk_norm: bool,
         pub row_scale: bool,
         pub row_bias: bool,
-        pub cube_dim: usize,
+        /// Units per head (`U`).
+        pub head_units: usize,
+        /// Heads per cube (`H`).
+        pub heads_per_cube: usize,
+        /// Reduce through plane operations (`U` is then a multiple of the plane size).
         pub use_plane: bool,
+    }
+
+    /// Sum of `value` over the `units` consecutive units of the caller's segment (unit
+    /// `UNIT_POS_X / units`), returned to each of them. `scratch`: `CUBE_DIM_X` slots. With
+    /// `use_plane`, `units` is a multiple of the plane size.
+    #[cube]
+    fn segment_sum(
+        value: f32,
+        scratch: &mut Shared<[f32]>,
+        #[comptime] units: usize,
+        #[comptime] use_plane: bool,
+    ) -> f32 {
+        let segment = UNIT_POS_X as usize / units;
+        let mut total = 0.0f32;
+        if comptime!(use_plane) {
+            let s = plane_sum(value);
+            if UNIT_POS_PLANE == 0 {
+                scratch[PLANE_POS as usize] = s;
+            }
+            sync_cube();
+            let planes = units / PLANE_DIM as usize;
+            for p in 0..planes {
+                total += scratch[segment * planes + p];
+            }
+        } else {
+            scratch[UNIT_POS_X as usize] = value;
+            sync_cube();
+            for p in 0..units {
+                total += scratch[segment * units + p];
+            }
+        }
+        sync_cube();
+        total
     }
 
     /// A projection value `z` of merged-qkv column `col` as the undeferred product gives it:
@@ -122,22 +162,25 @@ pub(crate) mod kernel {
         #[define(F)] _dtype: ElemType,
     ) {
         let t = CUBE_POS_X as usize;
-        let head = CUBE_POS_Y as usize;
+        let units = cfg.head_units;
+        let lane = UNIT_POS_X as usize % units;
+        let head = CUBE_POS_Y as usize * cfg.heads_per_cube + UNIT_POS_X as usize / units;
         let d = cfg.head_dim;
         let half = comptime!(cfg.head_dim / 2);
         let is_query = head < cfg.heads;
-        let kv_head = head - select(is_query, 0, cfg.heads);
+        // Units past the last head (and key/value heads of a token without a slot) compute
+        // nothing of their own; they stay for the cube's reductions.
+        let kv_head = min(head - select(is_query, 0, cfg.heads), cfg.kv_heads - 1);
         let slot = slots[t];
-        if !is_query && slot < 0 {
-            terminate!();
-        }
+        let live = head < cfg.heads + cfg.kv_heads && (is_query || slot >= 0);
         let (src_row, src_col) = if is_query {
             (t * q.stride(0), q_off + head * d)
         } else {
             (t * k.stride(0), k_off + kv_head * d)
         };
 
-        let mut scratch = Shared::<[f32]>::new_slice(cfg.cube_dim);
+        let mut scratch =
+            Shared::<[f32]>::new_slice(comptime!(cfg.head_units * cfg.heads_per_cube));
         let mut row_s = 1.0f32;
         if comptime!(cfg.row_scale) {
             row_s = row_inv_rms(x, t, row_eps, &mut scratch, cfg.use_plane);
@@ -147,24 +190,30 @@ pub(crate) mod kernel {
         let mut scale = 1.0f32;
         if comptime!(cfg.qk_norm) {
             let mut acc = 0.0f32;
-            let mut j = UNIT_POS_X as usize;
-            while j < d {
-                let z = if is_query {
-                    q[src_row + src_col + j]
-                } else {
-                    k[src_row + src_col + j]
-                };
-                let x = projected(z, row_s, row_bias, src_col + j, cfg);
-                acc += x * x;
-                j += CUBE_DIM_X as usize;
+            if live {
+                let mut j = lane;
+                while j < d {
+                    let z = if is_query {
+                        q[src_row + src_col + j]
+                    } else {
+                        k[src_row + src_col + j]
+                    };
+                    let x = projected(z, row_s, row_bias, src_col + j, cfg);
+                    acc += x * x;
+                    j += units;
+                }
             }
-            let total = cube_sum(acc, &mut scratch, cfg.use_plane);
+            let total = segment_sum(acc, &mut scratch, cfg.head_units, cfg.use_plane);
             scale = f32::inverse_sqrt(total / f32::cast_from(d) + eps);
         }
 
         let pos = positions[t] as usize;
-        let cache_base = (slot as usize * cfg.kv_heads + kv_head) * d;
-        let mut j = UNIT_POS_X as usize;
+        let cache_base = (max(slot, 0) as usize * cfg.kv_heads + kv_head) * d;
+        let mut j = lane;
+        // Past the last head, or a key/value head without a slot: nothing to write.
+        if !live {
+            j = half;
+        }
         while j < half {
             let (z1, z2) = if is_query {
                 (q[src_row + src_col + j], q[src_row + src_col + j + pair])
@@ -207,7 +256,7 @@ pub(crate) mod kernel {
                 v_cache[cache_base + j] = F::cast_from(v1);
                 v_cache[cache_base + j + pair] = F::cast_from(v2);
             }
-            j += CUBE_DIM_X as usize;
+            j += units;
         }
     }
 }
@@ -251,6 +300,25 @@ pub(crate) fn rope_store_kv(
     }
     let k_cache = super::writable(k_cache);
     let v_cache = super::writable(v_cache);
+    // Units per head: one per rotation pair up to the cube size; with plane reductions a
+    // multiple of the plane. Heads per cube: up to twice the usual cube size in units on plane
+    // devices; one on CPU runtimes, whose cube size is the core count (a cube of more units
+    // than cores waits at every barrier: a 4-unit cube on 2 cores ran an engine test for over
+    // 20 minutes instead of 11 s).
+    let half = layout.head_dim / 2;
+    let use_plane = caps.plane_ops && half >= caps.plane_size;
+    let head_units = if use_plane {
+        caps.cube_units.min(half) / caps.plane_size * caps.plane_size
+    } else {
+        caps.cube_units.min(half).max(1)
+    };
+    let all_heads = layout.heads + layout.kv_heads;
+    let cube_units = if caps.plane_ops {
+        2 * caps.cube_units
+    } else {
+        caps.cube_units
+    };
+    let heads_per_cube = (cube_units / head_units).clamp(1, all_heads.max(1));
     let cfg = kernel::StoreConfig {
         heads: layout.heads,
         kv_heads: layout.kv_heads,
@@ -259,8 +327,9 @@ pub(crate) fn rope_store_kv(
         qk_norm: layout.qk_norm,
         row_scale: layout.row_scale,
         row_bias: layout.row_bias,
-        cube_dim: caps.cube_units.min(layout.head_dim / 2).max(1),
-        use_plane: caps.plane_ops && layout.head_dim / 2 >= caps.plane_size,
+        head_units,
+        heads_per_cube,
+        use_plane,
     };
     let x = unit_inner_stride(x);
     // Read by row stride (rows may be pitched), elements contiguous.
@@ -280,8 +349,8 @@ pub(crate) fn rope_store_kv(
     unsafe {
         kernel::rope_store_kv::launch_unchecked(
             &k_cache.client,
-            CubeCount::Static(t as u32, (layout.heads + layout.kv_heads) as u32, 1),
-            CubeDim::new_1d(cfg.cube_dim as u32),
+            CubeCount::Static(t as u32, all_heads.div_ceil(heads_per_cube) as u32, 1),
+            CubeDim::new_1d((head_units * heads_per_cube) as u32),
             super::address_type(&[&k_cache, &q]),
             xv,
             q.into_tensor_arg(),

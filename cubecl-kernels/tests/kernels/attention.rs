@@ -179,6 +179,20 @@ fn prefill_matches_reference() {
         },
         DType::F32,
     );
+    // Qwen3's group of 2 in bf16 (on CUDA: both heads in one cube of 8 planes), chunks over
+    // prefixes that end inside a query tile and a K/V stage, and an empty prefix of a tile's
+    // length: the stages below each plane's first row skip the causal comparison.
+    check_attention(
+        &mut rng,
+        &[(100, 137), (64, 64), (65, 200), (31, 95)],
+        16,
+        Heads {
+            heads: 4,
+            kv_heads: 2,
+            d: 128,
+        },
+        DType::BF16,
+    );
 }
 
 /// Decode of a batch that fills the device alone (150 sequences: on the H100 above half the
