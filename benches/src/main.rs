@@ -103,11 +103,11 @@ struct Cli {
     /// Engine suites: sequences of the nano workload.
     #[arg(long, default_value_t = 256)]
     num_seqs: usize,
-    /// Engine suites: most sequences per step.
-    #[arg(long, default_value_t = 256)]
+    /// Engine suites: most sequences per step (default: the engine's).
+    #[arg(long, default_value_t = burn_nanovllm::EngineConfig::default().max_num_seqs)]
     max_num_seqs: usize,
-    /// Engine suites: most tokens per step.
-    #[arg(long, default_value_t = 8192)]
+    /// Engine suites: most tokens per step (default: the engine's).
+    #[arg(long, default_value_t = burn_nanovllm::EngineConfig::default().max_num_batched_tokens)]
     max_num_batched_tokens: usize,
     /// Serve suite: the server's base URL (e.g. http://127.0.0.1:8000); without it, the engine
     /// runs in this process (`--dummy` / `--model`) behind the server's engine thread.

@@ -60,10 +60,10 @@ struct ModelArgs {
 #[derive(Args)]
 struct EngineArgs {
     /// Most sequences running at once.
-    #[arg(long, default_value_t = 256)]
+    #[arg(long, default_value_t = EngineConfig::default().max_num_seqs)]
     max_num_seqs: usize,
     /// Most tokens computed per step.
-    #[arg(long, default_value_t = 8192)]
+    #[arg(long, default_value_t = EngineConfig::default().max_num_batched_tokens)]
     max_num_batched_tokens: usize,
     /// Longest prompt + completion (default: the model's max_position_embeddings).
     #[arg(long)]

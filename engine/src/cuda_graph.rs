@@ -417,13 +417,21 @@ pub struct GraphCapture {
 }
 
 /// Token counts of the default graphs for `max_num_seqs` and `max_num_batched_tokens`: decode
-/// sizes 1, 8, 32, 128 and `max_num_seqs`, and mixed-step sizes 512 to 8192 by powers of two
-/// (at most `max_num_batched_tokens`). Larger steps are cut to the largest by the scheduler;
-/// each graph keeps the pages its forward touched (about 0.5 GiB each for Qwen2-0.5B on the
-/// H100).
+/// sizes 1, 8, 32, 128, then every doubling from 256 below `max_num_seqs`, and `max_num_seqs`
+/// itself; mixed-step sizes 512 to 8192 by powers of two; none above `max_num_batched_tokens`.
+/// A step replays the smallest graph that holds it, padded to its size: without the doublings,
+/// a decode step of 199 rows under `max_num_seqs` = 512 ran the 512-row graph (bench.py's
+/// decode steps 13 % dearer on the H200, docs/BENCHMARKS.md). Larger steps are cut to the
+/// largest by the scheduler; each graph keeps the pages its forward touched (about 0.5 GiB each
+/// for Qwen2-0.5B at 256 sequences on the H100, about 2 GiB at 1,024).
 pub fn default_graph_sizes(max_num_seqs: usize, max_num_batched_tokens: usize) -> Vec<usize> {
-    let mut sizes: Vec<usize> = [1, 8, 32, 128, max_num_seqs, 512, 1024, 2048, 4096, 8192]
+    let decode = std::iter::successors(Some(256), |&s| Some(s * 2))
+        .take_while(|&s| s < max_num_seqs)
+        .chain([max_num_seqs]);
+    let mut sizes: Vec<usize> = [1, 8, 32, 128]
         .into_iter()
+        .chain(decode)
+        .chain([512, 1024, 2048, 4096, 8192])
         .filter(|&s| s <= max_num_batched_tokens)
         .collect();
     sizes.sort_unstable();

@@ -34,7 +34,9 @@
 #      JSON-constrained, for each count of units per row in UNITS (default "256 1024");
 #  14. each kernel's device time in decode steps (`kprofile`): Nsight Compute (clocks and L2
 #      left alone) over a window of launches per KPROFILE entry (see the section) into
-#      kprofile-*.log, with a per-kernel total table printed.
+#      kprofile-*.log, with a per-kernel total table printed;
+#  15. batch limits (`limits`): the engine figures of 2. for each max_num_seqs,max_num_batched_tokens
+#      pair in LIMITS.
 # SECTIONS (default "tests bench profile") picks which to run. Logs go to $OUT.
 set -uo pipefail
 source "$(dirname "$0")/unpack.sh"
@@ -78,6 +80,17 @@ bench() {
 }
 if [[ " $SECTIONS " == *" bench "* && -x $B ]]; then
   bench $B new
+fi
+# Batch limits (`limits`): the engine figures for each `max_num_seqs,max_num_batched_tokens`
+# pair in LIMITS (default: ours, nano-vLLM's 512/16,384, 1,024/16,384), one binary, back to
+# back (lim-S-T-* logs); an entry `S,T:G` also sets the graph sizes G (`--graph-sizes`,
+# lim-S-T-g* logs).
+if [[ " $SECTIONS " == *" limits "* && -x $B ]]; then
+  for e in ${LIMITS:-256,8192 512,16384 1024,16384}; do
+    st=${e%%:*}; g=""; tag="lim-${st%,*}-${st#*,}"
+    [[ $e == *:* ]] && g="--graph-sizes ${e#*:}" && tag="$tag-g$(tr -cd , <<< "${e#*:}" | wc -c)"
+    EXTRA="--max-num-seqs ${st%,*} --max-num-batched-tokens ${st#*,} $g" bench $B "$tag"
+  done
 fi
 # The sampler's units per row (`BURN_NANOVLLM_SAMPLE_UNITS`, UNITS="256 1024" by default):
 # the engine figures and bench.py with every request JSON-constrained, for each.

@@ -133,6 +133,42 @@ fn graph_steps_keep_prefix_hits_and_preemption_exact() {
     assert_eq!(engine.kv_usage(), 0.0);
 }
 
+/// The default buckets: every doubling from 256 up to `max_num_seqs` for decode steps (a
+/// decode step of `b > 128` rows never pads to `2b` rows or more), `max_num_seqs` itself, the
+/// mixed-step sizes up to 8,192, nothing above the token limit.
+#[test]
+fn default_graph_sizes_double_up_to_max_num_seqs() {
+    use engine::default_graph_sizes as sizes;
+    let common = [1, 8, 32, 128, 256, 512, 1024, 2048, 4096, 8192];
+    assert_eq!(sizes(256, 8192), common);
+    assert_eq!(sizes(512, 16384), common);
+    assert_eq!(sizes(1024, 16384), common);
+    assert_eq!(sizes(2048, 16384), common);
+    assert_eq!(
+        sizes(384, 12000),
+        [1, 8, 32, 128, 256, 384, 512, 1024, 2048, 4096, 8192]
+    );
+    assert_eq!(sizes(4, 512), [1, 4, 8, 32, 128, 512]);
+    assert_eq!(sizes(8, 64), [1, 8, 32]);
+    for (seqs, tokens) in [
+        (256, 8192),
+        (512, 16384),
+        (1024, 16384),
+        (384, 12000),
+        (700, 4096),
+    ] {
+        let all = sizes(seqs, tokens);
+        for b in 129..=seqs.min(tokens) {
+            let bucket = all
+                .iter()
+                .copied()
+                .find(|&s| s >= b)
+                .expect("a bucket holds it");
+            assert!(bucket < 2 * b, "{seqs}/{tokens}: {b} rows pad to {bucket}");
+        }
+    }
+}
+
 /// The scheduler shapes steps to the graph sizes: a prefill-heavy step is cut to the largest
 /// size it can fill, a step that cannot fill one keeps its demand (the graph pads it), decodes
 /// alone are never cut.
