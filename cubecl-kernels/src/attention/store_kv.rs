@@ -304,7 +304,7 @@ pub(crate) fn rope_store_kv(
     // multiple of the plane. Heads per cube: up to twice the usual cube size in units on plane
     // devices; one on CPU runtimes, whose cube size is the core count (a cube of more units
     // than cores waits at every barrier: a 4-unit cube on 2 cores ran an engine test for over
-    // 20 minutes instead of 11 s).
+    // 20 minutes instead of 9 s).
     let half = layout.head_dim / 2;
     let use_plane = caps.plane_ops && half >= caps.plane_size;
     let head_units = if use_plane {

@@ -181,7 +181,7 @@ fn prefill_matches_reference() {
     );
     // Qwen3's group of 2 in bf16 (on CUDA: both heads in one cube of 8 planes), chunks over
     // prefixes that end inside a query tile and a K/V stage, and an empty prefix of a tile's
-    // length: the stages below each plane's first row skip the causal comparison.
+    // length.
     check_attention(
         &mut rng,
         &[(100, 137), (64, 64), (65, 200), (31, 95)],
