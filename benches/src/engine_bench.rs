@@ -495,11 +495,15 @@ fn timed_generate(
     Ok((start.elapsed().as_secs_f64(), outs))
 }
 
-/// The mean time of each phase, for prefill (mixed) steps and for decode steps by batch size
-/// class, and the slowest prefill steps.
-/// The engine's step graphs: sizes, refusals, and each capture's time and device memory.
+/// The engine's step graphs: sizes, their memory as measured to size the KV pool, refusals,
+/// and each capture's time and device memory.
 fn print_graphs(limits: &engine::EngineLimits) {
-    eprintln!("step graphs (tokens) {:?}", limits.graph_sizes);
+    eprintln!(
+        "step graphs (tokens) {:?}: {} MiB measured when the KV pool was sized ({} blocks)",
+        limits.graph_sizes,
+        limits.graph_memory >> 20,
+        limits.num_kv_blocks
+    );
     for f in &limits.graph_failures {
         eprintln!("graph capture refused: {f}");
     }

@@ -55,7 +55,8 @@ struct Cli {
     /// dtype, engine options, command, the row), and the baseline CSV columns to its `.csv`.
     #[arg(long)]
     record: Option<PathBuf>,
-    /// Model of the engine suites (random weights of its config).
+    /// Model of the engine suites (random weights of its config): qwen2-0.5b, qwen2-1.5b,
+    /// qwen2-7b (Qwen2.5-7B-Instruct's) or qwen3-0.6b.
     #[arg(long, default_value = "qwen2-0.5b")]
     dummy: String,
     /// Engine suites: a checkpoint folder or Hugging Face repo id (real weights) instead of
@@ -179,6 +180,7 @@ fn config(name: &str) -> Result<Qwen2Config> {
     let text = match name {
         "qwen2-0.5b" => include_str!("../configs/qwen2-0.5b.json"),
         "qwen2-1.5b" => include_str!("../configs/qwen2-1.5b.json"),
+        "qwen2-7b" => include_str!("../configs/qwen2-7b.json"),
         "qwen3-0.6b" => include_str!("../configs/qwen3-0.6b.json"),
         _ => anyhow::bail!("unknown model {name}"),
     };

@@ -51,6 +51,9 @@ pub struct EngineLimits {
     pub graph_failures: Vec<String>,
     /// Each captured graph's bucket, capture time and device memory.
     pub graph_captures: Vec<crate::GraphCapture>,
+    /// Device bytes the step graphs took when they were captured to size the KV pool
+    /// (0 when `num_kv_blocks` was given, or off CUDA).
+    pub graph_memory: usize,
 }
 
 /// The inference engine over one model on one device.
@@ -166,9 +169,9 @@ impl LLMEngine {
             let after = memory::cuda_memory(index).map_or(0, |(free, _)| free);
             working_set = before.saturating_sub(after);
         }
-        let num_kv_blocks = match config.num_kv_blocks {
-            Some(n) => n,
-            None => size_kv_pool(&model, &config, max_model_len, working_set)?,
+        let (num_kv_blocks, graph_memory) = match config.num_kv_blocks {
+            Some(n) => (n, 0),
+            None => memory::size_kv_pool(&model, &device, &config, max_model_len, working_set)?,
         };
         let cache = KvCache::new(
             &model_config,
@@ -218,6 +221,7 @@ impl LLMEngine {
             graph_sizes,
             graph_failures: runner.graph_failures(),
             graph_captures: runner.graph_captures(),
+            graph_memory,
         };
         let structured = StructuredOutputs::new(
             dir.map(|d| d.join("tokenizer.json")).filter(|p| p.exists()),
@@ -1006,48 +1010,6 @@ fn generation_defaults(json: &serde_json::Value) -> SamplingParams {
         p.temperature = 0.0;
     }
     p
-}
-
-/// The KV pool size when none is given: on CUDA, what fits in `gpu_memory_utilization` of the
-/// device after the weights, the warm-up forwards (`working_set`, counted twice: the decode
-/// graphs pin pages the eager steps then cannot reuse) and the decode graphs, but never more
-/// than twice what `max_num_seqs` full-length sequences need (the rest could only keep more
-/// cached prefixes; on an 80 GB GPU a 7 M-parameter model would otherwise ask for 70 GB in
-/// 6 GB tensors, and that allocation failed); on CPUs, `max_num_seqs` full-length sequences
-/// within `cpu_kv_cache_bytes`.
-fn size_kv_pool(
-    model: &Qwen2Model,
-    config: &EngineConfig,
-    max_model_len: usize,
-    working_set: usize,
-) -> Result<usize> {
-    let dtype = model.dtype();
-    let c = &model.config;
-    let bs = config.block_size;
-    let most = config.max_num_seqs * max_model_len.div_ceil(bs);
-    let DeviceKind::Cuda(index) = config.device else {
-        let fits = memory::blocks_in(config.cpu_kv_cache_bytes, c, bs, dtype);
-        return Ok(most.min(fits).max(max_model_len.div_ceil(bs)));
-    };
-    let (free, total) = memory::cuda_memory(index)
-        .ok_or_else(|| EngineError::Device("cannot read the GPU's free memory".into()))?;
-    let reserved = (total as f64 * (1.0 - config.gpu_memory_utilization as f64)) as usize;
-    let graphs = memory::graph_bytes(c, dtype.size(), &config.graph_sizes(), config.max_num_seqs);
-    let budget = free
-        .saturating_sub(reserved)
-        .saturating_sub(graphs)
-        .saturating_sub(working_set);
-    let blocks = memory::blocks_in(budget, c, bs, dtype).min(2 * most);
-    if blocks * bs < max_model_len {
-        return Err(EngineError::Device(format!(
-            "only {blocks} KV blocks of {bs} tokens fit in gpu_memory_utilization = {} of the \
-             GPU ({} MiB free of {} MiB): not one sequence of max_model_len = {max_model_len}",
-            config.gpu_memory_utilization,
-            free >> 20,
-            total >> 20
-        )));
-    }
-    Ok(blocks)
 }
 
 /// Forward passes at every step size the scheduler builds, largest first: `max_num_batched_tokens`

@@ -37,6 +37,9 @@
 #      kprofile-*.log, with a per-kernel total table printed;
 #  15. batch limits (`limits`): the engine figures of 2. for each max_num_seqs,max_num_batched_tokens
 #      pair in LIMITS.
+#  16. larger models (`large`): bench.py and ±90 % on the random weights of each DUMMIES entry
+#      (default qwen2-7b) at each LIMITS pair (default 256,8192): the KV pool sized around the
+#      step graphs' measured memory (large-*.log).
 # SECTIONS (default "tests bench profile") picks which to run. Logs go to $OUT.
 set -uo pipefail
 source "$(dirname "$0")/unpack.sh"
@@ -90,6 +93,19 @@ if [[ " $SECTIONS " == *" limits "* && -x $B ]]; then
     st=${e%%:*}; g=""; tag="lim-${st%,*}-${st#*,}"
     [[ $e == *:* ]] && g="--graph-sizes ${e#*:}" && tag="$tag-g$(tr -cd , <<< "${e#*:}" | wc -c)"
     EXTRA="--max-num-seqs ${st%,*} --max-num-batched-tokens ${st#*,} $g" bench $B "$tag"
+  done
+fi
+if [[ " $SECTIONS " == *" large "* && -x $B ]]; then
+  for m in ${DUMMIES:-qwen2-7b}; do
+    for e in ${LIMITS:-256,8192}; do
+      tag="large-$m-${e%,*}-${e#*,}"
+      X="--dummy $m --max-num-seqs ${e%,*} --max-num-batched-tokens ${e#*,}"
+      echo "== [$tag] bench.py (nano)"
+      timeout 300 $B nano --device cuda $X --out "$OUT/$tag-nano.json" 2>&1 | tee "$OUT/$tag-nano.log" | quiet | tail -3
+      echo "== [$tag] throughput, ±90 %"
+      timeout 300 $B throughput --device cuda --num-prompts 1000 --input-len 528 --output-len 136 \
+        --random-range-ratio 0.9 $X --out "$OUT/$tag-tp-range.json" 2>&1 | tee "$OUT/$tag-tp-range.log" | quiet | tail -3
+    done
   done
 fi
 # The sampler's units per row (`BURN_NANOVLLM_SAMPLE_UNITS`, UNITS="256 1024" by default):

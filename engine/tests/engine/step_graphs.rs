@@ -244,3 +244,28 @@ fn steps_hold_at_most_the_graphs_prefill_chunks() {
     // joined by the decodes of those before it.
     assert_eq!(tokens, [20, 21, 22, 3]);
 }
+
+/// A KV pool the engine sizes itself (no `num_kv_blocks`): on CUDA the step graphs are
+/// captured once to measure their memory, released, and captured again against the pool;
+/// the outputs are still the goldens, and the pool holds one sequence of `max_model_len` and
+/// at most twice `max_num_seqs` of them.
+#[test]
+fn a_pool_sized_around_the_graphs_serves_the_goldens() {
+    let config = EngineConfig {
+        num_kv_blocks: None,
+        ..graph_config(&[1, 8, 24])
+    };
+    let name = "qwen2-tiny-tied";
+    check_goldens_with(name, graph_device(), config.clone(), false);
+    let engine = engine_on(name, graph_device(), config.clone());
+    let l = engine.limits();
+    let per_seq = l.max_model_len.div_ceil(l.block_size);
+    assert!(l.num_kv_blocks >= per_seq, "{} blocks", l.num_kv_blocks);
+    assert!(l.num_kv_blocks <= 2 * config.max_num_seqs * per_seq);
+    if matches!(graph_device(), DeviceKind::Cuda(_)) {
+        assert!(l.graph_failures.is_empty(), "{:?}", l.graph_failures);
+        assert!(l.graph_memory > 0, "the graphs' memory was measured");
+    } else {
+        assert_eq!(l.graph_memory, 0, "nothing to measure off CUDA");
+    }
+}
