@@ -40,6 +40,10 @@
 #  16. larger models (`large`): bench.py and ±90 % on the random weights of each DUMMIES entry
 #      (default qwen2-7b) at each LIMITS pair (default 256,8192): the KV pool sized around the
 #      step graphs' measured memory (large-*.log).
+#  17. the prefill kernel under Nsight Compute (`prefill-ncu`): the full section set and the
+#      per-instruction SASS (stall samples, executed instructions) of one launch of the
+#      manual-MMA prefill at each NCU_MODELS entry's 1 × 4096 shape (default qwen3-0.6b):
+#      prefill-ncu-<model>.txt (details), prefill-sass-<model>.csv.xz.
 # SECTIONS (default "tests bench profile") picks which to run. Logs go to $OUT.
 set -uo pipefail
 source "$(dirname "$0")/unpack.sh"
@@ -106,6 +110,18 @@ if [[ " $SECTIONS " == *" large "* && -x $B ]]; then
       timeout 300 $B throughput --device cuda --num-prompts 1000 --input-len 528 --output-len 136 \
         --random-range-ratio 0.9 $X --out "$OUT/$tag-tp-range.json" 2>&1 | tee "$OUT/$tag-tp-range.log" | quiet | tail -3
     done
+  done
+fi
+if [[ " $SECTIONS " == *" prefill-ncu "* && -x $B ]]; then
+  for m in ${NCU_MODELS:-qwen3-0.6b}; do
+    echo "== [$m] prefill kernel under ncu (1 x 4096, causal)"
+    timeout 400 ncu --set full --import-source no --kernel-name regex:paged_prefill_mma \
+      --launch-skip 3 --launch-count 1 -f -o "/tmp/prefill-$m" \
+      $B prefill --device cuda --models "$m" > "/tmp/prefill-ncu-$m.log" 2>&1
+    tail -3 "/tmp/prefill-ncu-$m.log"
+    ncu -i "/tmp/prefill-$m.ncu-rep" --page details > "$OUT/prefill-ncu-$m.txt" 2>&1
+    ncu -i "/tmp/prefill-$m.ncu-rep" --page source --csv --print-source sass 2>&1 | xz -6 > "$OUT/prefill-sass-$m.csv.xz"
+    grep -E "Registers Per|Achieved Occupancy|Theoretical Occupancy|Duration|Local|Spill|Issue Slots Busy|Tensor|Warp Cycles Per Issued|No Eligible|Block Limit" "$OUT/prefill-ncu-$m.txt" | head -40
   done
 fi
 # The sampler's units per row (`BURN_NANOVLLM_SAMPLE_UNITS`, UNITS="256 1024" by default):

@@ -12,8 +12,10 @@
 //!   computed on, then store it ([`fetch_kv`], [`put_kv`]).
 //! - `S = Q·Kᵀ`: `keys / 8` accumulator tiles; B fragments of K by `ldmatrix.x4` (two k-steps
 //!   per instruction).
-//! - Online softmax on the accumulators: row maxima and sums meet over the 4 lanes of a row
-//!   through two xor shuffles; the output accumulators are rescaled in registers.
+//! - Online softmax on the accumulators: row maxima (of the raw scores; the scale rides in each
+//!   exponent's FMA) and sums meet over the 4 lanes of a row through two xor shuffles; the
+//!   output accumulators are rescaled in registers, only in stages where a row maximum of the
+//!   plane grew.
 //! - `O += P·V`: the probabilities are re-packed from the S accumulators into A fragments
 //!   directly (the accumulator layout of two 16×8 tiles is the A layout of one 16×16 tile);
 //!   B fragments of V by `ldmatrix.x4.trans` (two 8-column tiles per instruction).
@@ -289,7 +291,7 @@ pub fn start_rows<NP: Size>(
 /// One stage: keys `k0 .. k0 + keys`, at vector `off` of `k_s` / `v_s` (slices of `len`
 /// vectors), against the Q tile `qa`. Scores are scaled by `scale`; keys at or past `limit_a`
 /// (row a) or `limit_b` (row b) are masked (0 masks a padding row). Updates the softmax state
-/// and the output accumulators `o`.
+/// (maxima of scaled scores) and the output accumulators `o`.
 #[cube]
 #[allow(clippy::too_many_arguments)]
 pub fn attend_stage<F: Float, NV: Size, NP: Size>(
@@ -363,7 +365,9 @@ pub fn attend_stage<F: Float, NV: Size, NP: Size>(
         s_acc[2 * j + 1] = c[1];
     }
 
-    // Online softmax: mask and scale, row maxima over the 4 lanes of a row.
+    // Online softmax on the raw scores (the scale is positive, so it keeps their order): mask,
+    // row maxima over the 4 lanes of a row; the scale enters once per row maximum and in each
+    // exponent's FMA, `exp(s·scale − m)`.
     let mut mx_a = neg_inf;
     let mut mx_b = neg_inf;
     #[unroll]
@@ -373,8 +377,8 @@ pub fn attend_stage<F: Float, NV: Size, NP: Size>(
         #[unroll]
         for e in 0..2usize {
             let key = k0 + j * 8 + 2 * t + e;
-            let sa = select(key >= limit_a, neg_inf, va.extract(e) * scale);
-            let sb = select(key >= limit_b, neg_inf, vb.extract(e) * scale);
+            let sa = select(key >= limit_a, neg_inf, va.extract(e));
+            let sb = select(key >= limit_b, neg_inf, vb.extract(e));
             va.insert(e, sa);
             vb.insert(e, sb);
             mx_a = max(mx_a, sa);
@@ -388,12 +392,12 @@ pub fn attend_stage<F: Float, NV: Size, NP: Size>(
     mx_b = max(mx_b, plane_shuffle_xor(mx_b, 1u32));
     mx_b = max(mx_b, plane_shuffle_xor(mx_b, 2u32));
     let (m_a, m_b) = (state[0], state[1]);
-    let new_a = max(m_a, mx_a);
-    let new_b = max(m_b, mx_b);
-    let live_a = new_a != neg_inf;
-    let live_b = new_b != neg_inf;
-    let corr_a = select(m_a == neg_inf, 0.0, f32::exp(m_a - new_a));
-    let corr_b = select(m_b == neg_inf, 0.0, f32::exp(m_b - new_b));
+    let new_a = max(m_a, mx_a * scale);
+    let new_b = max(m_b, mx_b * scale);
+    // A row with no key yet (maximum −∞) has only masked scores: offset 0 keeps their
+    // exponents at −∞ (probability 0) instead of −∞ + ∞.
+    let off_a = select(new_a == neg_inf, 0.0, -new_a);
+    let off_b = select(new_b == neg_inf, 0.0, -new_b);
     let mut sum_a = 0.0f32;
     let mut sum_b = 0.0f32;
     #[unroll]
@@ -402,8 +406,8 @@ pub fn attend_stage<F: Float, NV: Size, NP: Size>(
         let mut vb = s_acc[2 * j + 1];
         #[unroll]
         for e in 0..2usize {
-            let pa = select(live_a, f32::exp(va.extract(e) - new_a), 0.0);
-            let pb = select(live_b, f32::exp(vb.extract(e) - new_b), 0.0);
+            let pa = f32::exp(fma(va.extract(e), scale, off_a));
+            let pb = f32::exp(fma(vb.extract(e), scale, off_b));
             sum_a += pa;
             sum_b += pb;
             va.insert(e, pa);
@@ -412,16 +416,26 @@ pub fn attend_stage<F: Float, NV: Size, NP: Size>(
         s_acc[2 * j] = va;
         s_acc[2 * j + 1] = vb;
     }
+    // Rescale the running sums and outputs only when a row maximum of the plane grew: the
+    // factor of an unchanged row is exp(0) = 1, so skipping it changes nothing, and after the
+    // first stages most maxima stay put (64 multiplies and two exponentials a stage at
+    // head dim 128).
+    if plane_any(new_a > m_a || new_b > m_b) {
+        let corr_a = select(m_a == neg_inf, 0.0, f32::exp(m_a - new_a));
+        let corr_b = select(m_b == neg_inf, 0.0, f32::exp(m_b - new_b));
+        state[2] *= corr_a;
+        state[3] *= corr_b;
+        #[unroll]
+        for j in 0..comptime!(head_dim / 8) {
+            o[2 * j] *= Vector::new(corr_a);
+            o[2 * j + 1] *= Vector::new(corr_b);
+        }
+    }
     state[0] = new_a;
     state[1] = new_b;
     // This lane's columns; summed over the row's lanes by `finish_row_sums`.
-    state[2] = state[2] * corr_a + sum_a;
-    state[3] = state[3] * corr_b + sum_b;
-    #[unroll]
-    for j in 0..comptime!(head_dim / 8) {
-        o[2 * j] *= Vector::new(corr_a);
-        o[2 * j + 1] *= Vector::new(corr_b);
-    }
+    state[2] += sum_a;
+    state[3] += sum_b;
 
     // O += P·V, 16 keys per k-step; P's A fragment is two S tiles re-packed.
     #[unroll]
