@@ -80,3 +80,13 @@ fn probe(
         .map(|_| ())
         .map_err(|e| KernelError::invalid(format!("device unavailable: {e}")))
 }
+
+/// Runs `build` with `device`'s allocations in persistent memory: on CubeCL runtimes, one
+/// buffer of its own per tensor, outside the dynamic pools (elsewhere `build` runs as is).
+/// For what lives as long as a model — weights, the KV cache: in the dynamic pools the largest
+/// of them sets the size of their pages, and so of every page a captured CUDA graph keeps
+/// (one KV layer of Qwen3-0.6B made that 1.1 GB a graph on the H100, docs/BENCHMARKS.md).
+pub fn persistent<I: Send, T: Send>(device: &Device, input: I, build: impl Fn(I) -> T + Send) -> T {
+    use burn::backend::{Backend, Dispatch};
+    Dispatch::memory_persistent_allocations(device.as_dispatch(), input, build)
+}

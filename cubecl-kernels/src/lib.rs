@@ -67,7 +67,7 @@ pub use attention::{
 };
 #[cfg(feature = "cpu")]
 pub use cpu_builtins::load as load_cpu_builtins;
-pub use device::DeviceKind;
+pub use device::{DeviceKind, persistent};
 pub use device_read::{PendingInts, ReadSlot, read_ints_async};
 pub use error::KernelError;
 pub use gpu_timeline::{GpuMark, MarkSlot, mark_stream};

@@ -173,13 +173,17 @@ impl LLMEngine {
             Some(n) => (n, 0),
             None => memory::size_kv_pool(&model, &device, &config, max_model_len, working_set)?,
         };
-        let cache = KvCache::new(
-            &model_config,
-            num_kv_blocks,
-            config.block_size,
-            dtype,
-            &device,
-        )?;
+        // The pool lives as long as the engine: in persistent memory, its layers do not size
+        // the dynamic pools' pages, which every step graph keeps some of.
+        let cache = cubecl_kernels::persistent(&device, (), |()| {
+            KvCache::new(
+                &model_config,
+                num_kv_blocks,
+                config.block_size,
+                dtype,
+                &device,
+            )
+        })?;
         let mut runner = ModelRunner::new(
             model,
             cache,

@@ -98,11 +98,12 @@ pub(crate) fn size_kv_pool(
 /// Device bytes the step graphs of `config` keep beyond the KV pool, measured: every graph
 /// captured once against a KV cache of one sequence, the free memory read before and after
 /// (less that cache), then all of it released (the pages stay in CubeCL's pools, where the
-/// real captures find them). An estimate cannot do this: a graph guards every page its
-/// recorded run touched for its lifetime, and the pages follow the largest allocation the
-/// pools served, so a graph of one token keeps as much as one of 4,096 (522 MiB each for
-/// Qwen2-0.5B at 256 sequences on the H100: 7 GiB for its 14 graphs, where counting each
-/// graph's activations had reserved 25 GiB, and 109 GiB for a 7B model). Zero without graphs.
+/// real captures find them). An estimate cannot do this: a graph keeps every page its recorded
+/// run touched, and the dynamic pools' pages follow the largest allocation they served, so a
+/// graph of one token keeps as much as one of 4,096. Counting each graph's activations had
+/// reserved 25 GiB for Qwen2-0.5B's 14 graphs and 109 GiB for a 7B model. The probe's cache
+/// is small and the weights and the real pool sit in persistent memory, outside those pools,
+/// so the probe's graphs keep the pages the real ones will. Zero without graphs.
 fn measure_graph_bytes(
     model: &Arc<Qwen2Model>,
     device: &Device,

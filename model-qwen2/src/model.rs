@@ -60,7 +60,19 @@ impl Qwen2Model {
     }
 
     /// Builds the model from an opened checkpoint, reading every tensor the config implies.
+    /// The weights go to persistent memory ([`cubecl_kernels::persistent`]).
     pub fn from_checkpoint(
+        config: Qwen2Config,
+        ckpt: &mut Checkpoint,
+        dtype: DType,
+        device: &Device,
+    ) -> Result<Self> {
+        cubecl_kernels::persistent(device, (config, ckpt), |(config, ckpt)| {
+            Self::read_checkpoint(config, ckpt, dtype, device)
+        })
+    }
+
+    fn read_checkpoint(
         config: Qwen2Config,
         ckpt: &mut Checkpoint,
         dtype: DType,
@@ -166,8 +178,15 @@ impl Qwen2Model {
     }
 
     /// Random weights for any config (like vLLM's `load_format=dummy`): real shapes without a
-    /// download, for benchmarks. Linear weights ~ N(0, 0.02), norms 1.
+    /// download, for benchmarks. Linear weights ~ N(0, 0.02), norms 1; in persistent memory
+    /// ([`cubecl_kernels::persistent`]).
     pub fn dummy(config: Qwen2Config, dtype: DType, device: &Device) -> Self {
+        cubecl_kernels::persistent(device, config, |config| {
+            Self::random_weights(config, dtype, device)
+        })
+    }
+
+    fn random_weights(config: Qwen2Config, dtype: DType, device: &Device) -> Self {
         let c = &config;
         let (h, i, d) = (c.hidden_size, c.intermediate_size, c.head_dim);
         let qkv_rows = c.q_size() + 2 * c.kv_size();

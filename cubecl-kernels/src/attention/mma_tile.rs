@@ -288,6 +288,34 @@ pub fn start_rows<NP: Size>(
     state[3] = 0.0;
 }
 
+/// The B fragments of key tile `j` (8 keys) for the `kx4` pairs of full k-steps of `Q·Kᵀ`, by
+/// `ldmatrix.x4` from the stage at vector `off` of `k_s` (rows of `rs` vectors, a slice of
+/// `len`): pair `s2`'s four registers at `kf[4·s2 ..]`.
+#[cube]
+fn load_k_tile<F: Float, NV: Size, NP: Size>(
+    k_s: &Shared<[Vector<F, NV>]>,
+    off: usize,
+    j: usize,
+    rs: usize,
+    #[comptime] len: usize,
+    kf: &mut Array<Vector<F, NP>>,
+    #[comptime] kx4: usize,
+) {
+    let def = MmaDefinition::<F, F, f32>::new(16usize, 8usize, 16usize);
+    let lane = UNIT_POS_PLANE as usize;
+    let (lrow, lmat) = (lane % 8, lane / 8);
+    #[unroll]
+    for s2 in 0..kx4 {
+        let at = off + (j * 8 + lrow) * rs + 4 * s2 + lmat;
+        let frags =
+            def.load_matrix::<Vector<F, NV>, NP>(&k_s[at..len], MatrixIdent::B, 4usize, false);
+        #[unroll]
+        for e in 0..4usize {
+            kf[4 * s2 + e] = frags[e];
+        }
+    }
+}
+
 /// One stage: keys `k0 .. k0 + keys`, at vector `off` of `k_s` / `v_s` (slices of `len`
 /// vectors), against the Q tile `qa`. Scores are scaled by `scale`; keys at or past `limit_a`
 /// (row a) or `limit_b` (row b) are masked (0 masks a padding row). Updates the softmax state
@@ -321,16 +349,23 @@ pub fn attend_stage<F: Float, NV: Size, NP: Size>(
 
     // S = Q·Kᵀ, 8 keys per accumulator tile. One `ldmatrix.x4` gives the B fragments of two
     // k-steps: lane `l` addresses key row `l % 8` of the tile at column vector `2·s + l / 8`.
+    // Tile `j + 1`'s fragments are loaded before tile `j`'s products, so that the products do
+    // not wait on shared memory (measured stalled on it at head dim 128, two planes per
+    // scheduler).
+    let kx4 = comptime!(head_dim / 32);
+    let mut kf = Array::<Vector<F, NP>>::new(comptime!(4 * kx4.max(1)));
+    load_k_tile::<F, NV, NP>(k_s, off, 0, rs, len, &mut kf, kx4);
     #[unroll]
     for j in 0..ntiles {
+        let mut kn = Array::<Vector<F, NP>>::new(comptime!(4 * kx4.max(1)));
+        if j + 1 < ntiles {
+            load_k_tile::<F, NV, NP>(k_s, off, j + 1, rs, len, &mut kn, kx4);
+        }
         let mut c = Array::<Vector<f32, NP>>::new(2usize);
         c[0] = Vector::new(0.0);
         c[1] = Vector::new(0.0);
         #[unroll]
-        for s2 in 0..comptime!(head_dim / 32) {
-            let at = off + (j * 8 + lrow) * rs + 4 * s2 + lmat;
-            let frags =
-                def.load_matrix::<Vector<F, NV>, NP>(&k_s[at..len], MatrixIdent::B, 4usize, false);
+        for s2 in 0..kx4 {
             #[unroll]
             for h2 in 0..2usize {
                 let s = 2 * s2 + h2;
@@ -340,8 +375,8 @@ pub fn attend_stage<F: Float, NV: Size, NP: Size>(
                     a[e] = qa[s * 4 + e];
                 }
                 let mut b = Array::<Vector<F, NP>>::new(2usize);
-                b[0] = frags[2 * h2];
-                b[1] = frags[2 * h2 + 1];
+                b[0] = kf[4 * s2 + 2 * h2];
+                b[1] = kf[4 * s2 + 2 * h2 + 1];
                 def.execute_inplace(&a, &b, &mut c);
             }
         }
@@ -363,6 +398,12 @@ pub fn attend_stage<F: Float, NV: Size, NP: Size>(
         }
         s_acc[2 * j] = c[0];
         s_acc[2 * j + 1] = c[1];
+        if j + 1 < ntiles {
+            #[unroll]
+            for i in 0..comptime!(4 * kx4) {
+                kf[i] = kn[i];
+            }
+        }
     }
 
     // Online softmax on the raw scores (the scale is positive, so it keeps their order): mask,
@@ -437,7 +478,11 @@ pub fn attend_stage<F: Float, NV: Size, NP: Size>(
     state[2] += sum_a;
     state[3] += sum_b;
 
-    // O += P·V, 16 keys per k-step; P's A fragment is two S tiles re-packed.
+    // O += P·V, 16 keys per k-step; P's A fragment is two S tiles re-packed. One
+    // `ldmatrix.x4.trans` gives the B fragments of two 8-column tiles: lane `l` addresses key
+    // row `16·s + 8·(l / 8 % 2) + l % 8` at column vector `2·j2 + l / 16`; the next pair's are
+    // loaded before this pair's products (as for `Q·Kᵀ`).
+    let vx4 = comptime!(head_dim / 16);
     #[unroll]
     for s in 0..comptime!(keys / 16) {
         let mut a = Array::<Vector<F, NP>>::new(4usize);
@@ -445,26 +490,42 @@ pub fn attend_stage<F: Float, NV: Size, NP: Size>(
         for e in 0..4usize {
             a[e] = Vector::<F, NP>::cast_from(s_acc[4 * s + e]);
         }
-        // One `ldmatrix.x4.trans` gives the B fragments of two 8-column tiles: lane `l`
-        // addresses key row `16·s + 8·(l / 8 % 2) + l % 8` at column vector `2·j2 + l / 16`.
-        let key = s * 16 + (lmat % 2) * 8 + lrow;
+        let row = off + (s * 16 + (lmat % 2) * 8 + lrow) * rs + lmat / 2;
+        let mut vf =
+            def.load_matrix::<Vector<F, NV>, NP>(&v_s[row..len], MatrixIdent::B, 4usize, true);
         #[unroll]
-        for j2 in 0..comptime!(head_dim / 16) {
-            let at = off + key * rs + 2 * j2 + lmat / 2;
-            let frags =
-                def.load_matrix::<Vector<F, NV>, NP>(&v_s[at..len], MatrixIdent::B, 4usize, true);
+        for j2 in 0..vx4 {
+            let mut vn = Array::<Vector<F, NP>>::new(4usize);
+            if j2 + 1 < vx4 {
+                let next = def.load_matrix::<Vector<F, NV>, NP>(
+                    &v_s[row + 2 * (j2 + 1)..len],
+                    MatrixIdent::B,
+                    4usize,
+                    true,
+                );
+                #[unroll]
+                for e in 0..4usize {
+                    vn[e] = next[e];
+                }
+            }
             #[unroll]
             for h2 in 0..2usize {
                 let j = 2 * j2 + h2;
                 let mut b = Array::<Vector<F, NP>>::new(2usize);
-                b[0] = frags[2 * h2];
-                b[1] = frags[2 * h2 + 1];
+                b[0] = vf[2 * h2];
+                b[1] = vf[2 * h2 + 1];
                 let mut c = Array::<Vector<f32, NP>>::new(2usize);
                 c[0] = o[2 * j];
                 c[1] = o[2 * j + 1];
                 def.execute_inplace(&a, &b, &mut c);
                 o[2 * j] = c[0];
                 o[2 * j + 1] = c[1];
+            }
+            if j2 + 1 < vx4 {
+                #[unroll]
+                for e in 0..4usize {
+                    vf[e] = vn[e];
+                }
             }
         }
     }

@@ -248,7 +248,9 @@ fn steps_hold_at_most_the_graphs_prefill_chunks() {
 /// A KV pool the engine sizes itself (no `num_kv_blocks`): on CUDA the step graphs are
 /// captured once to measure their memory, released, and captured again against the pool;
 /// the outputs are still the goldens, and the pool holds one sequence of `max_model_len` and
-/// at most twice `max_num_seqs` of them.
+/// at most twice `max_num_seqs` of them (on CUDA exactly that: a tiny model's graphs leave
+/// the GPU plenty). A tiny model's graphs may fit in pages the pools already hold, so their
+/// measured memory can be 0 on CUDA too.
 #[test]
 fn a_pool_sized_around_the_graphs_serves_the_goldens() {
     let config = EngineConfig {
@@ -264,7 +266,8 @@ fn a_pool_sized_around_the_graphs_serves_the_goldens() {
     assert!(l.num_kv_blocks <= 2 * config.max_num_seqs * per_seq);
     if matches!(graph_device(), DeviceKind::Cuda(_)) {
         assert!(l.graph_failures.is_empty(), "{:?}", l.graph_failures);
-        assert!(l.graph_memory > 0, "the graphs' memory was measured");
+        assert_eq!(l.graph_captures.len(), 3, "1, 8 and 24 tokens");
+        assert_eq!(l.num_kv_blocks, 2 * config.max_num_seqs * per_seq);
     } else {
         assert_eq!(l.graph_memory, 0, "nothing to measure off CUDA");
     }
