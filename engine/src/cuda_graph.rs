@@ -422,8 +422,9 @@ pub struct GraphCapture {
 /// A step replays the smallest graph that holds it, padded to its size: without the doublings,
 /// a decode step of 199 rows under `max_num_seqs` = 512 ran the 512-row graph (bench.py's
 /// decode steps 13 % dearer on the H200, docs/BENCHMARKS.md). Larger steps are cut to the
-/// largest by the scheduler; each graph keeps the pages its forward touched (for Qwen2-0.5B
-/// about 0.5 GiB each at 256 sequences, about 2 GiB at 1,024: H100 and H200 capture logs).
+/// largest by the scheduler; each graph keeps the pages its forward touched (Qwen2-0.5B's 14
+/// graphs 1.9 GiB together at 256 sequences, 7.6 GiB for its 16 at 1,024: H100 logs, measured
+/// by the engine when it sizes the KV pool).
 pub fn default_graph_sizes(max_num_seqs: usize, max_num_batched_tokens: usize) -> Vec<usize> {
     let decode = std::iter::successors(Some(256), |&s| Some(s * 2))
         .take_while(|&s| s < max_num_seqs)
