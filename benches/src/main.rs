@@ -89,6 +89,10 @@ struct Cli {
     /// engine's default.
     #[arg(long, value_delimiter = ',')]
     graph_sizes: Vec<usize>,
+    /// Engine suites: KV blocks in the pool (vLLM's `--num-gpu-blocks-override`) instead of
+    /// what fits in memory.
+    #[arg(long)]
+    num_kv_blocks: Option<usize>,
     /// Engine suites (nano, throughput): a sampling profile of the host threads over the timed
     /// run (needs the `host-profile` feature and an unstripped binary).
     #[arg(long)]
@@ -340,6 +344,7 @@ fn main() -> Result<()> {
                     .unwrap_or(burn_nanovllm::EngineConfig::default().admission_max_wait_steps),
                 gpu_timeline: cli.gpu_timeline,
                 cuda_graph_sizes: (!cli.graph_sizes.is_empty()).then(|| cli.graph_sizes.clone()),
+                num_kv_blocks: cli.num_kv_blocks,
                 record_steps: true,
                 ..burn_nanovllm::EngineConfig::default()
             },
@@ -430,6 +435,7 @@ fn main() -> Result<()> {
             "sync_steps": cli.sync_steps,
             "admission_tokens": cli.admission_tokens,
             "admission_wait_steps": cli.admission_wait_steps,
+            "num_kv_blocks": cli.num_kv_blocks,
         });
         let ctx = record::RunContext::new(&cli.device, &format!("{dtype:?}"), engine);
         record::append(path, &ctx, &tables)?;
