@@ -18,6 +18,9 @@ pub(crate) struct Knobs {
     /// out of graph captures, as a build against the published cubecl-cuda runs it, even where
     /// CubeCL's stream is known (measures what a dependent without the `[patch]` gets).
     pub cublas_fenced: bool,
+    /// `BURN_NANOVLLM_CUBLAS_TUNE=rows`: cuBLASLt's candidates are timed for shapes of at least
+    /// `rows` rows (`off`: never).
+    pub cublas_tune_min_rows: Option<usize>,
     /// `BURN_NANOVLLM_PREFILL_FMA` set: the FMA prefill kernel even where tensor cores exist.
     pub prefill_fma: bool,
     /// `BURN_NANOVLLM_PREFILL_CMMA` set: the portable-cmma prefill kernel even where manual MMA
@@ -57,6 +60,10 @@ impl Knobs {
             split_k_off: std::env::var("BURN_NANOVLLM_SPLIT_K").is_ok_and(|v| v == "0"),
             cublas_off: std::env::var("BURN_NANOVLLM_CUBLAS").is_ok_and(|v| v == "0"),
             cublas_fenced: std::env::var("BURN_NANOVLLM_CUBLAS").is_ok_and(|v| v == "fenced"),
+            cublas_tune_min_rows: match std::env::var("BURN_NANOVLLM_CUBLAS_TUNE").as_deref() {
+                Ok("off") => Some(usize::MAX),
+                _ => numbers("BURN_NANOVLLM_CUBLAS_TUNE").map(|[r]| r),
+            },
             prefill_fma: is_set("BURN_NANOVLLM_PREFILL_FMA"),
             prefill_cmma: is_set("BURN_NANOVLLM_PREFILL_CMMA"),
             prefill_tile: numbers("BURN_NANOVLLM_PREFILL_TILE").map(|[p, k]| (p, k)),

@@ -75,7 +75,7 @@ pub use host_upload::UploadBuffer;
 pub use host_write::{HostInts, write_ints};
 pub use rms_norm_linear::{
     FusedRmsNormLinear, LinearRoute, add_rms_norm_linear, check_args, linear, linear_add,
-    linear_route, rms_norm, rms_norm_linear,
+    linear_route, rms_norm, rms_norm_linear, set_linear_tuning,
 };
 #[cfg(feature = "cuda")]
 pub use rms_norm_linear::{cublas_stream_ordered, cublas_unavailable_reason};

@@ -354,8 +354,9 @@ struct StepGraph {
     replay: Replay,
 }
 
-/// Records `forward` as a hardware graph: a few warm-up runs (autotuning, fused-kernel
-/// compilation and every allocation happen there), then one run under capture. Returns the
+/// Records `forward` as a hardware graph: a few warm-up runs (autotuning, the products'
+/// algorithm timing, fused-kernel compilation and every allocation happen there), then one run
+/// under capture. Returns the
 /// graph and the output of the captured run, whose buffer every replay rewrites.
 fn capture(
     device: &Device,
@@ -364,12 +365,17 @@ fn capture(
     let d = device.as_dispatch();
     let err = |what: &str, e: &dyn std::fmt::Debug| format!("{what}: {e:?}");
     Dispatch::graph_prepare(d).map_err(|e| err("prepare", &e))?;
-    for _ in 0..3 {
+    // The products' shapes will run at every replay: worth timing cuBLASLt's candidates for.
+    cubecl_kernels::set_linear_tuning(true);
+    let warm_up = (0..3).try_for_each(|_| {
         // Keep the output until the sync: a lazy backend skips work whose result is dropped.
         let out = forward();
         Dispatch::sync(d).map_err(|e| err("warm-up", &e))?;
         drop(out);
-    }
+        Ok::<_, String>(())
+    });
+    cubecl_kernels::set_linear_tuning(false);
+    warm_up?;
     Dispatch::graph_start_capture(d).map_err(|e| err("start", &e))?;
     let out = forward();
     let graph = Dispatch::graph_stop_capture(d).map_err(|e| err("stop", &e))?;

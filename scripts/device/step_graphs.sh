@@ -44,6 +44,9 @@
 #      per-instruction SASS (stall samples, executed instructions) of one launch of the
 #      manual-MMA prefill at each NCU_MODELS entry's 1 × 4096 shape (default qwen3-0.6b):
 #      prefill-ncu-<model>.txt (details), prefill-sass-<model>.csv.xz.
+#  18. an A/B of one binary under several environments (`ab`): the engine figures of 2. with
+#      none, then with each NAME=value of AB_ENV (e.g. "BURN_NANOVLLM_CUBLAS_TUNE=off"), ROUNDS
+#      times in turn (ab-<round>-base-*, ab-<round>-env<i>-* logs).
 # SECTIONS (default "tests bench profile") picks which to run. Logs go to $OUT.
 set -uo pipefail
 source "$(dirname "$0")/unpack.sh"
@@ -87,6 +90,18 @@ bench() {
 }
 if [[ " $SECTIONS " == *" bench "* && -x $B ]]; then
   bench $B new
+fi
+if [[ " $SECTIONS " == *" ab "* && -x $B ]]; then
+  for round in ${ROUNDS:-1}; do
+    bench $B "ab-$round-base"
+    i=0
+    for e in ${AB_ENV:?}; do
+      i=$((i + 1))
+      export "$e"
+      bench $B "ab-$round-env$i"
+      unset "${e%%=*}"
+    done
+  done
 fi
 # Batch limits (`limits`): the engine figures for each `max_num_seqs,max_num_batched_tokens`
 # pair in LIMITS (default: ours, nano-vLLM's 512/16,384, 1,024/16,384), one binary, back to

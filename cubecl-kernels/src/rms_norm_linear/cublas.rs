@@ -28,6 +28,17 @@
 //! itself it would allocate one inside the graph, which CubeCL rejects; two streams never share
 //! one); the handle and each shape's plan (descriptors, layouts, the heuristic's algorithm) are
 //! made on first use, which the engine's warm-up runs before any capture.
+//!
+//! Algorithm choice: cuBLASLt's heuristic ranks its algorithms for a shape without running
+//! them, and its first pick is what PyTorch takes. While [`super::set_linear_tuning`] is on (the
+//! engine turns it on for the warm-up runs of the steps it captures as graphs, whose shapes then
+//! run thousands of times), a shape's first call on CubeCL's stream times the heuristic's top
+//! [`TUNE_CANDIDATES`] on its own operands (CUDA events, [`TUNE_RUNS`] runs each, after one
+//! untimed run) and keeps the fastest; outside it, or when the output aliases an input (a run
+//! would not be repeatable), the first pick stays (`BURN_NANOVLLM_CUBLAS_TUNE=off`: always;
+//! `=rows`: for shapes of fewer rows). The timed runs find the weights in the L2 cache, where a
+//! step streams them from memory; measured on the H100, tuning only shapes of ≥ 512 rows (where
+//! the arithmetic, not the weights, sets the time) did no better than tuning all.
 
 use std::any::Any;
 use std::collections::HashMap;
@@ -47,6 +58,12 @@ type CudaServer = <cubecl::cuda::CudaRuntime as cubecl_runtime::runtime::Runtime
 
 /// Workspace handed to every cuBLASLt call (what its split-K algorithms may use).
 const WORKSPACE_BYTES: usize = 32 << 20;
+
+/// Algorithms of the heuristic's ranking timed when a shape is tuned (module doc).
+const TUNE_CANDIDATES: usize = 8;
+
+/// Timed runs of each candidate.
+const TUNE_RUNS: usize = 5;
 
 /// cuBLAS's `CUBLAS_OP_T` (the cuBLASLt bindings do not carry `cublasOperation_t`).
 const CUBLAS_OP_T: i32 = 1;
@@ -74,6 +91,10 @@ struct Plan {
     /// The added matrix's layout (`d` when there is none).
     c: Option<sys::cublasLtMatrixLayout_t>,
     algo: sys::cublasLtMatmulAlgo_t,
+    /// The heuristic's ranking (first = its pick), within the workspace.
+    candidates: Vec<sys::cublasLtMatmulAlgo_t>,
+    /// `algo` is the fastest of the candidates, timed.
+    tuned: bool,
 }
 
 /// cuBLASLt state of one CUDA device.
@@ -82,6 +103,8 @@ struct DeviceLt {
     plans: HashMap<PlanKey, Plan>,
     /// Our stream and its fences, for calls without CubeCL's stream (made on first use).
     fenced: Option<Fenced>,
+    /// Timing events for tuning (made on first use).
+    timer: Option<[CUevent; 2]>,
 }
 
 // SAFETY: the raw handles are only used under the `DEVICES` mutex.
@@ -337,6 +360,7 @@ impl Call {
             handle,
             plans,
             fenced,
+            timer,
         } = state.as_mut().map_err(|e| e.clone())?;
         let handle = *handle;
         let plan = match plans.entry(key) {
@@ -355,7 +379,7 @@ impl Call {
         // resources until this returns; the shapes and pitches are the ones the layouts
         // describe; the workspace belongs to this stream and is as large as the heuristic was
         // told.
-        let matmul = |stream: CUstream| unsafe {
+        let matmul = |algo: &sys::cublasLtMatmulAlgo_t, stream: CUstream| unsafe {
             if key.bias {
                 set_desc(
                     plan.desc,
@@ -376,7 +400,7 @@ impl Call {
                 c_layout,
                 ptrs[2] as *mut c_void,
                 plan.d,
-                &plan.algo,
+                algo,
                 workspace as *mut c_void,
                 WORKSPACE_BYTES,
                 stream as _,
@@ -384,15 +408,88 @@ impl Call {
             .map_err(|e| format!("cublasLtMatmul {m}x{n}x{k}: {e:?}"))
         };
         match stream {
-            Some(stream) => matmul(stream),
+            Some(stream) => {
+                // The output is rewritten by every run and no input is it: timed runs repeat.
+                let repeatable = ptrs[2] != ptrs[0] && ptrs[2] != ptrs[3];
+                if !plan.tuned
+                    && plan.candidates.len() > 1
+                    && repeatable
+                    && super::linear_tuning()
+                    && m >= Knobs::get().cublas_tune_min_rows.unwrap_or(0)
+                    && !capturing(stream)
+                {
+                    if timer.is_none() {
+                        *timer = Some(timing_events()?);
+                    }
+                    let events = timer.expect("made above");
+                    let fastest = fastest(&plan.candidates, events, stream, |algo| {
+                        matmul(algo, stream)
+                    })?;
+                    plan.algo = plan.candidates[fastest];
+                    plan.tuned = true;
+                }
+                matmul(&plan.algo, stream)
+            }
             None => {
                 if fenced.is_none() {
                     *fenced = Some(Fenced::new()?);
                 }
-                fenced.as_ref().expect("created above").run(matmul)
+                fenced
+                    .as_ref()
+                    .expect("created above")
+                    .run(|stream| matmul(&plan.algo, stream))
             }
         }
     }
+}
+
+/// Whether `stream` is capturing a graph (where nothing may wait for it).
+fn capturing(stream: CUstream) -> bool {
+    use driver::sys as d;
+    let mut status = d::CUstreamCaptureStatus::CU_STREAM_CAPTURE_STATUS_NONE;
+    // SAFETY: on the device thread, `stream` alive; only queries.
+    let queried = unsafe { d::cuStreamIsCapturing(stream, &mut status) };
+    queried.result().is_err() || status != d::CUstreamCaptureStatus::CU_STREAM_CAPTURE_STATUS_NONE
+}
+
+/// Two events with timing, for [`fastest`].
+fn timing_events() -> Result<[CUevent; 2], String> {
+    let event = || {
+        driver::result::event::create(driver::sys::CUevent_flags::CU_EVENT_DEFAULT)
+            .map_err(|e| format!("cuEventCreate: {e:?}"))
+    };
+    Ok([event()?, event()?])
+}
+
+/// Index of the candidate whose runs take least time on `stream`, where `run` enqueues them:
+/// one untimed run each, then [`TUNE_RUNS`] between `events`, waited for. A candidate that
+/// fails to run is passed over; the first is kept if every other does.
+fn fastest(
+    candidates: &[sys::cublasLtMatmulAlgo_t],
+    [start, end]: [CUevent; 2],
+    stream: CUstream,
+    run: impl Fn(&sys::cublasLtMatmulAlgo_t) -> Result<(), String>,
+) -> Result<usize, String> {
+    let failed = |e: driver::DriverError| format!("tuning: {e:?}");
+    let mut best = (0, f32::INFINITY);
+    for (i, algo) in candidates.iter().enumerate() {
+        if run(algo).is_err() {
+            continue;
+        }
+        // SAFETY: the events and the stream are alive, on the device thread.
+        let time = unsafe {
+            driver::result::event::record(start, stream).map_err(failed)?;
+            let ran = (0..TUNE_RUNS).all(|_| run(algo).is_ok());
+            driver::result::event::record(end, stream).map_err(failed)?;
+            driver::result::event::synchronize(end).map_err(failed)?;
+            let ms = driver::result::event::elapsed(start, end).map_err(failed)?;
+            ran.then_some(ms)
+        };
+        if let Some(t) = time.filter(|&t| t < best.1) {
+            best = (i, t);
+        }
+    }
+    Ok(best.0)
 }
 
 /// Our stream for cuBLASLt where CubeCL's is unknown, and the events that fence it against the
@@ -450,6 +547,7 @@ impl DeviceLt {
             handle,
             plans: HashMap::new(),
             fenced: None,
+            timer: None,
         })
     }
 }
@@ -483,6 +581,8 @@ impl Plan {
             },
             // Replaced by the heuristic's pick below.
             algo: unsafe { std::mem::zeroed() },
+            candidates: Vec::new(),
+            tuned: false,
         };
         // SAFETY: the descriptors were just created and are owned by `plan` (freed on drop).
         unsafe {
@@ -537,23 +637,47 @@ impl Plan {
             })
             .and_then(|()| {
                 let c = plan.c.unwrap_or(plan.d);
-                lt::get_matmul_algo_heuristic(handle, desc, plan.a, plan.b, c, plan.d, pref)
-                    .map_err(|e| {
-                        err(
-                            &format!("no cuBLASLt algorithm for {m}x{n}x{k} {:?}", key.dtype),
-                            &e,
-                        )
-                    })
+                let mut found: Vec<sys::cublasLtMatmulHeuristicResult_t> =
+                    vec![std::mem::zeroed(); TUNE_CANDIDATES];
+                let mut count = 0;
+                sys::cublasLtMatmulAlgoGetHeuristic(
+                    handle,
+                    desc,
+                    plan.a,
+                    plan.b,
+                    c,
+                    plan.d,
+                    pref,
+                    TUNE_CANDIDATES as i32,
+                    found.as_mut_ptr(),
+                    &mut count,
+                )
+                .result()
+                .map_err(|e| {
+                    err(
+                        &format!("no cuBLASLt algorithm for {m}x{n}x{k} {:?}", key.dtype),
+                        &e,
+                    )
+                })?;
+                found.truncate(count.max(0) as usize);
+                Ok(found)
             });
             let _ = lt::destroy_matmul_pref(pref);
-            let heuristic = heuristic?;
-            if heuristic.workspaceSize > WORKSPACE_BYTES {
+            plan.candidates = heuristic?
+                .into_iter()
+                .filter(|h| {
+                    h.state == sys::cublasStatus_t::CUBLAS_STATUS_SUCCESS
+                        && h.workspaceSize <= WORKSPACE_BYTES
+                })
+                .map(|h| h.algo)
+                .collect();
+            let Some(&first) = plan.candidates.first() else {
                 return Err(format!(
-                    "the algorithm wants {} bytes of workspace",
-                    heuristic.workspaceSize
+                    "no cuBLASLt algorithm for {m}x{n}x{k} {:?} within {WORKSPACE_BYTES} bytes of workspace",
+                    key.dtype
                 ));
-            }
-            plan.algo = heuristic.algo;
+            };
+            plan.algo = first;
             Ok(plan)
         }
     }

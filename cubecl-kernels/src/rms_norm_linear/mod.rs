@@ -16,11 +16,31 @@ pub use cublas::{cublas_unavailable_reason, stream_ordered as cublas_stream_orde
 pub use launch::LinearRoute;
 pub use module::FusedRmsNormLinear;
 
+use std::sync::atomic::{AtomicBool, Ordering};
+
 use burn::backend::{Dispatch, DispatchDevice};
 use burn::tensor::{DType, Tensor};
 
 use crate::KernelError;
 use crate::ops::KernelOps;
+
+/// Whether new product shapes are tuned ([`set_linear_tuning`]).
+static TUNING: AtomicBool = AtomicBool::new(false);
+
+/// Turns on or off, for product shapes met from now on, the timing of cuBLASLt's candidate
+/// algorithms on CUDA (the heuristic's top few, on the call's own operands; the fastest is
+/// kept for the shape): on for the warm-up runs of shapes that will run many times (a captured
+/// step's), off for one-off shapes, whose timing would cost more than it saves. Process-wide;
+/// no effect elsewhere.
+pub fn set_linear_tuning(on: bool) {
+    TUNING.store(on, Ordering::Relaxed);
+}
+
+/// See [`set_linear_tuning`].
+#[cfg_attr(not(feature = "cuda"), allow(dead_code))]
+fn linear_tuning() -> bool {
+    TUNING.load(Ordering::Relaxed)
+}
 
 /// Which optional operands of [`KernelOps::fused_linear`] are present.
 pub struct LinearOperands;
