@@ -14,7 +14,7 @@ use std::path::Path;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use burn::tensor::{DType, Device, Int, Tensor, TensorData};
+use burn::tensor::{DType, Device, Tensor};
 use cubecl_kernels::{AttentionMetadata, DeviceKind};
 use model_qwen2::{KvCache, LogitsRows, Qwen2Config, Qwen2Model, Qwen2Tokenizer};
 use rand::{Rng, SeedableRng, rngs::StdRng};
@@ -22,6 +22,7 @@ use rand::{Rng, SeedableRng, rngs::StdRng};
 use crate::block_manager::BlockManager;
 use crate::config::EngineConfig;
 use crate::error::{EngineError, Result};
+use crate::generation_config::{generation_defaults, json_ids, read_generation_config};
 use crate::memory;
 use crate::model_runner::{FaultHook, ModelRunner};
 use crate::output::{EngineStats, GpuStep, RequestOutput, StepRecord};
@@ -32,6 +33,7 @@ use crate::scheduler::{Scheduler, SchedulerLimits, SchedulerOutput};
 use crate::sequence::{FinishReason, RequestId, Sequence};
 use crate::step::StepSeq;
 use crate::structured_output::{GrammarCompiler, StructuredOutputs};
+use crate::warm_up::warm_up;
 use cubecl_kernels::UploadBuffer;
 
 /// The engine's resolved limits.
@@ -958,165 +960,4 @@ fn panic_message(panic: &(dyn std::any::Any + Send)) -> String {
         .or_else(|| panic.downcast_ref::<&str>().copied())
         .unwrap_or("(no message)");
     format!("a step panicked: {text}")
-}
-
-/// `generation_config.json` as JSON (`Null` when absent).
-fn read_generation_config(path: &Path) -> Result<serde_json::Value> {
-    if !path.exists() {
-        return Ok(serde_json::Value::Null);
-    }
-    let text = std::fs::read_to_string(path).map_err(|source| model_qwen2::ModelError::Io {
-        path: path.to_path_buf(),
-        source,
-    })?;
-    serde_json::from_str(&text).map_err(|e| {
-        model_qwen2::ModelError::Parse {
-            path: path.to_path_buf(),
-            message: e.to_string(),
-        }
-        .into()
-    })
-}
-
-/// A token id or a list of them.
-fn json_ids(value: &serde_json::Value) -> Vec<u32> {
-    match value {
-        serde_json::Value::Number(n) => n.as_u64().map(|v| vec![v as u32]).unwrap_or_default(),
-        serde_json::Value::Array(a) => a
-            .iter()
-            .filter_map(|v| v.as_u64())
-            .map(|v| v as u32)
-            .collect(),
-        _ => Vec::new(),
-    }
-}
-
-/// Sampling defaults a checkpoint recommends (`do_sample: false` means greedy).
-fn generation_defaults(json: &serde_json::Value) -> SamplingParams {
-    let mut p = SamplingParams::default();
-    let f = |k: &str| json[k].as_f64().map(|v| v as f32);
-    if let Some(t) = f("temperature") {
-        p.temperature = t;
-    }
-    if let Some(v) = f("top_p") {
-        p.top_p = v;
-    }
-    if let Some(k) = json["top_k"].as_u64() {
-        p.top_k = k as u32;
-    }
-    if let Some(v) = f("min_p") {
-        p.min_p = v;
-    }
-    if let Some(v) = f("repetition_penalty") {
-        p.repetition_penalty = v;
-    }
-    if json["do_sample"] == serde_json::Value::Bool(false) {
-        p.temperature = 0.0;
-    }
-    p
-}
-
-/// Forward passes at every step size the scheduler builds, largest first: `max_num_batched_tokens`
-/// prompt tokens with logits for `max_num_seqs` rows (its activations take their memory before
-/// the KV pool is sized), then mixed steps (decode rows and a prefill chunk, as most steps are)
-/// of about each power of two below it down to 16 tokens: the matrix products autotune per size
-/// class and compile per vector width, and the fused kernels per op pattern, here rather than
-/// in the first requests' steps.
-fn warm_up(
-    model: &Qwen2Model,
-    device: &Device,
-    config: &EngineConfig,
-    max_model_len: usize,
-) -> Result<()> {
-    let max = config.max_num_batched_tokens;
-    warm_up_step(model, device, config, max_model_len, max, 0)?;
-    let mut t = max;
-    // Token counts off powers of two by 0, 1, 2 and 4 in turn: the products' vector widths
-    // follow the row count's alignment, and each width is a kernel of its own.
-    for offset in [0, 1, 2, 4].into_iter().cycle() {
-        if t < 16 {
-            break;
-        }
-        let total = t - offset.min(t - 1);
-        let decodes = config.max_num_seqs.min(total / 2);
-        warm_up_step(model, device, config, max_model_len, total, decodes)?;
-        t = t.next_power_of_two() / 2;
-    }
-    Ok(())
-}
-
-/// One forward of `total` tokens: `decodes` one-token rows over 17-token contexts, then prefill
-/// sequences (of up to `max_model_len − 1` tokens) for the rest, with logits for up to
-/// `max_num_seqs` rows and the sampler over them.
-fn warm_up_step(
-    model: &Qwen2Model,
-    device: &Device,
-    config: &EngineConfig,
-    max_model_len: usize,
-    total: usize,
-    decodes: usize,
-) -> Result<()> {
-    let bs = config.block_size;
-    let (mut queries, mut contexts) = (vec![1; decodes], vec![17.min(max_model_len - 1); decodes]);
-    let per_seq = (max_model_len - 1).min(total);
-    let mut left = total - decodes;
-    while left > 0 {
-        let l = per_seq.min(left);
-        queries.push(l);
-        contexts.push(l);
-        left -= l;
-    }
-    let blocks: Vec<usize> = contexts.iter().map(|l| l.div_ceil(bs)).collect();
-    let mut cache = KvCache::new(
-        &model.config,
-        blocks.iter().sum(),
-        bs,
-        model.dtype(),
-        device,
-    )?;
-    let mut next = 0u32;
-    let tables = blocks
-        .iter()
-        .map(|&n| {
-            let t: Vec<u32> = (next..next + n as u32).collect();
-            next += n as u32;
-            t
-        })
-        .collect();
-    let meta = AttentionMetadata::new(queries, contexts, tables, bs, device)?;
-    let ids = vec![0u32; total];
-    let n = config.max_num_seqs.min(total);
-    let rows: Vec<i32> = (0..n).map(|r| ((r * total) / n) as i32).collect();
-    let rows = Tensor::<1, Int>::from_data(TensorData::new(rows, [n]), (device, DType::I32));
-    let logits = model.forward(
-        model.input_ids(&ids, device)?,
-        &meta,
-        &mut cache,
-        LogitsRows::Rows(Box::new(rows)),
-    );
-    let params = SamplingParams::default();
-    let rows: Vec<SamplerRow<'_>> = (0..n)
-        .map(|_| SamplerRow {
-            params: &params,
-            seed: 0,
-            prompt: &[],
-            output: &[],
-            banned: Vec::new(),
-        })
-        .collect();
-    let mut draws =
-        Tensor::<1, Int>::from_data(TensorData::new(vec![0i32; n], [n]), (device, DType::I32));
-    sampler::sample(
-        logits,
-        &rows,
-        TokenMasks::none(model.config.vocab_size),
-        &vec![0; n],
-        &mut draws,
-    )?
-    .0
-    .wait()?;
-    device
-        .sync()
-        .map_err(|e| EngineError::Device(format!("warm-up forward: {e:?}")))?;
-    Ok(())
 }

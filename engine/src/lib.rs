@@ -16,6 +16,8 @@
 //! | [`structured_output`] | JSON schema, regex, choice and grammar constraints: token masks per row |
 //! | [`detokenizer`] | incremental text and stop strings |
 //! | `output_processor` | stop conditions and text of drawn tokens (one step behind, when overlapped) |
+//! | `generation_config` | a checkpoint's EOS ids and recommended sampling defaults |
+//! | `warm_up` | a forward at every step size before the KV pool is sized |
 //! | [`engine`] | [`LLMEngine`]: `add_request`, `step` (the step loop), `abort` |
 
 #![warn(missing_docs)]
@@ -26,6 +28,7 @@ mod cuda_graph;
 pub mod detokenizer;
 pub mod engine;
 pub mod error;
+mod generation_config;
 pub mod memory;
 pub mod model_runner;
 pub mod output;
@@ -36,6 +39,7 @@ pub mod scheduler;
 pub mod sequence;
 pub mod step;
 pub mod structured_output;
+mod warm_up;
 
 pub use block_manager::BlockManager;
 pub use config::EngineConfig;
