@@ -21,7 +21,7 @@ pub fn row_key(row: &SamplingRow) -> u32 {
 /// See the kernel's `uniform`.
 pub fn uniform(row_key: u32, i: u32) -> f32 {
     let h = mix32(row_key ^ mix32(i));
-    ((h >> 8) as f32 + 0.5) * 5.960_464_5e-8
+    ((h >> 9) as f32 + 0.5) * 1.192_092_9e-7
 }
 
 /// See the kernel's `order_key`.

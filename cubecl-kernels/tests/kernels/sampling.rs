@@ -120,6 +120,60 @@ fn sampling_matches_host_reference() {
     }
 }
 
+/// A token whose hash is the largest a row can give draws no differently from the others: a
+/// row of 64 tokens where token 0 is e³⁰ times likelier than each other one, with a seed whose
+/// hash of some other token has all its top bits set (found on the host), draws token 0 on the
+/// device and on the host. (A uniform draw that rounded up to 1 made that token's Gumbel noise
+/// +∞: it won whatever its probability, about one row in 110 at a 151,936-token vocabulary.)
+#[test]
+fn the_largest_hash_wins_no_draw() {
+    const VOCAB: u32 = 64;
+    let counter = 5;
+    let (seed, token) = (0u64..)
+        .find_map(|seed| {
+            let row = SamplingRow {
+                temperature: 1.0,
+                top_k: 0,
+                top_p: 1.0,
+                min_p: 0.0,
+                seed,
+                counter,
+            };
+            let key = reference::row_key(&row);
+            (1..VOCAB)
+                .find(|&i| reference::mix32(key ^ reference::mix32(i)) >> 8 == 0x00ff_ffff)
+                .map(|i| (seed, i))
+        })
+        .expect("a seed");
+    let row = SamplingRow {
+        temperature: 1.0,
+        top_k: 0,
+        top_p: 1.0,
+        min_p: 0.0,
+        seed,
+        counter,
+    };
+    let mut x = vec![0.0f32; VOCAB as usize];
+    x[0] = 30.0;
+    let u = reference::uniform(reference::row_key(&row), token);
+    assert!(u > 0.0 && u < 1.0, "token {token}: u = {u}");
+    assert_eq!(reference::sample_row(&x, &row), 0, "host, seed {seed}");
+    let device = kernel_device();
+    for dtype in [DType::F32, DType::BF16] {
+        let (t, _) = upload(&x, [1, VOCAB as usize], dtype, &device);
+        let got: Vec<i64> = cubecl_kernels::sample(t, &[row])
+            .unwrap()
+            .into_data()
+            .try_into_vec_as::<i64>()
+            .unwrap();
+        assert_eq!(
+            got,
+            [0],
+            "{dtype:?}, seed {seed}: token {token} has the largest hash"
+        );
+    }
+}
+
 /// The kernel's token `got` for a row of logits `x`: one the reference keeps, and the
 /// reference's draw unless two scores tie to rounding.
 fn check_draw(x: &[f32], row: &SamplingRow, got: i64, what: &str) {
