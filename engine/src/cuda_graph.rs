@@ -356,8 +356,8 @@ struct StepGraph {
 
 /// Records `forward` as a hardware graph: a few warm-up runs (autotuning, the products'
 /// algorithm timing, fused-kernel compilation and every allocation happen there), then one run
-/// under capture. Returns the
-/// graph and the output of the captured run, whose buffer every replay rewrites.
+/// under capture. Returns the graph and the output of the captured run, whose buffer every
+/// replay rewrites.
 fn capture(
     device: &Device,
     mut forward: impl FnMut() -> Tensor<2>,
