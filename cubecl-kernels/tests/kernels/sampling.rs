@@ -128,31 +128,23 @@ fn sampling_matches_host_reference() {
 #[test]
 fn the_largest_hash_wins_no_draw() {
     const VOCAB: u32 = 64;
-    let counter = 5;
-    let (seed, token) = (0u64..)
-        .find_map(|seed| {
-            let row = SamplingRow {
-                temperature: 1.0,
-                top_k: 0,
-                top_p: 1.0,
-                min_p: 0.0,
-                seed,
-                counter,
-            };
-            let key = reference::row_key(&row);
-            (1..VOCAB)
-                .find(|&i| reference::mix32(key ^ reference::mix32(i)) >> 8 == 0x00ff_ffff)
-                .map(|i| (seed, i))
-        })
-        .expect("a seed");
-    let row = SamplingRow {
+    let row_of = |seed| SamplingRow {
         temperature: 1.0,
         top_k: 0,
         top_p: 1.0,
         min_p: 0.0,
         seed,
-        counter,
+        counter: 5,
     };
+    let (seed, token) = (0u64..)
+        .find_map(|seed| {
+            let key = reference::row_key(&row_of(seed));
+            (1..VOCAB)
+                .find(|&i| reference::mix32(key ^ reference::mix32(i)) >> 8 == 0x00ff_ffff)
+                .map(|i| (seed, i))
+        })
+        .expect("a seed");
+    let row = row_of(seed);
     let mut x = vec![0.0f32; VOCAB as usize];
     x[0] = 30.0;
     let u = reference::uniform(reference::row_key(&row), token);
