@@ -63,7 +63,7 @@ pub mod silu_mul;
 
 pub use attention::{
     AttentionMetadata, DecodeTensors, LayerKvCache, MetadataTensors, PrefillTensors, QkNorm, Rope,
-    TileCache, paged_attention, prefill_tile_rows, rope_store_kv, store_kv,
+    TileCache, paged_attention, prefill_tile_rows, prefill_tiles, rope_store_kv, store_kv,
 };
 #[cfg(feature = "cpu")]
 pub use cpu_builtins::load as load_cpu_builtins;

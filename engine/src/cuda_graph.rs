@@ -32,7 +32,8 @@ use std::time::{Duration, Instant};
 use burn::backend::{Backend, BackendGraph, Dispatch};
 use burn::tensor::{DType, Device, Int, Tensor, TensorData};
 use cubecl_kernels::{
-    AttentionMetadata, DecodeTensors, MetadataTensors, PrefillTensors, TileCache, write_ints,
+    AttentionMetadata, DecodeTensors, MetadataTensors, PrefillTensors, TileCache, prefill_tiles,
+    write_ints,
 };
 use model_qwen2::{KvCache, LogitsRows, Qwen2Model};
 
@@ -190,7 +191,7 @@ impl StepInputs {
             sample_rows: vec![0; cap.samples],
             num_samples: samples,
         };
-        let (mut row, mut sample, mut tile) = (0, 0, 0);
+        let (mut row, mut sample) = (0, 0);
         for (i, s) in seqs.iter().enumerate() {
             if s.block_table.len() > width {
                 return Err(EngineError::Device(format!(
@@ -221,16 +222,18 @@ impl StepInputs {
                 let p = i - decodes;
                 x.prefill_context[p] = context;
                 x.cu_seqlens[p] = (row - s.num_new_tokens) as i32;
-                for q0 in (0..s.num_new_tokens).step_by(tile_rows) {
-                    x.tiles[2 * tile] = p as i32;
-                    x.tiles[2 * tile + 1] = q0 as i32;
-                    tile += 1;
-                }
                 (&mut x.prefill_tables, p)
             };
             for (j, &b) in s.block_table.iter().enumerate() {
                 tables[r * width + j] = b as i32;
             }
+        }
+        let lens: Vec<(usize, usize)> = seqs[decodes..]
+            .iter()
+            .map(|s| (s.num_new_tokens, s.num_computed_tokens + s.num_new_tokens))
+            .collect();
+        for (i, tile) in prefill_tiles(&lens, tile_rows).into_iter().enumerate() {
+            x.tiles[2 * i..2 * i + 2].copy_from_slice(&tile);
         }
         Ok(Some(x))
     }
@@ -321,7 +324,7 @@ impl Buffers {
                 block_tables: self.part(PREFILL_TABLES).reshape([cap.prefills, width]),
                 context_lens: self.part(PREFILL_CONTEXT),
                 cu_seqlens_q: self.part(CU_SEQLENS),
-                query_lens: Arc::new(Vec::new()),
+                lens: Arc::new(Vec::new()),
                 tiles: Arc::new(TileCache::fixed(
                     tile_rows,
                     self.part(TILES).reshape([cap.tiles, 2]),

@@ -85,8 +85,9 @@ pub struct PrefillTensors {
     pub context_lens: Tensor<1, Int>,
     /// `[n + 1]`: sequence `s`'s tokens are rows `cu_seqlens_q[s]..cu_seqlens_q[s + 1]`.
     pub cu_seqlens_q: Tensor<1, Int>,
-    /// Host copy of the prefill rows' query lengths (they define the kernel's query tiles).
-    pub query_lens: Arc<Vec<usize>>,
+    /// Host copy of the prefill rows' `(query length, context length)` (they define the
+    /// kernel's query tiles and their order).
+    pub lens: Arc<Vec<(usize, usize)>>,
     /// The query-tile list, built by the first layer's launch and reused by the others.
     pub tiles: Arc<TileCache>,
 }
@@ -116,11 +117,17 @@ impl TileCache {
         })))
     }
 
-    /// The list for tiles of `rows` queries over sequences of `query_lens` new tokens.
+    /// The list for tiles of `rows` queries over sequences of `lens` = (new tokens, context),
+    /// in [`prefill_tiles`]' order.
     ///
     /// # Panics
     /// If the list was fixed for tiles of another height.
-    pub(crate) fn get(&self, rows: usize, query_lens: &[usize], device: &Device) -> Tensor<2, Int> {
+    pub(crate) fn get(
+        &self,
+        rows: usize,
+        lens: &[(usize, usize)],
+        device: &Device,
+    ) -> Tensor<2, Int> {
         let mut cached = self.0.lock().expect("tile cache");
         match &*cached {
             Some(t) if t.rows == rows => return t.list.clone(),
@@ -130,12 +137,7 @@ impl TileCache {
             ),
             _ => {}
         }
-        let mut flat = Vec::new();
-        for (s, &len) in query_lens.iter().enumerate() {
-            for q0 in (0..len).step_by(rows) {
-                flat.extend([s as i32, q0 as i32]);
-            }
-        }
+        let flat: Vec<i32> = prefill_tiles(lens, rows).into_iter().flatten().collect();
         let n = flat.len() / 2;
         // Built 1-D and viewed as `[n, 2]`: a 2-D device tensor of 8-byte rows would be
         // row-pitched (CubeCL pads rows to 16 bytes on CUDA), and the kernels read it flat.
@@ -149,6 +151,26 @@ impl TileCache {
         });
         list
     }
+}
+
+/// The prefill kernel's query tiles of `rows` queries over sequences of `lens` = (new tokens,
+/// context), as (sequence, first query), heaviest first: a tile's work is the keys its last
+/// row attends to (the cached prefix, the chunk's earlier queries and its own), and the
+/// device deals cubes out in launch order, so the longest tiles start in the first wave and
+/// the short ones fill the gaps at the end (FlashAttention's reversed causal order, across
+/// sequences). Ties keep sequence order.
+pub fn prefill_tiles(lens: &[(usize, usize)], rows: usize) -> Vec<[i32; 2]> {
+    let mut tiles: Vec<(usize, [i32; 2])> = lens
+        .iter()
+        .enumerate()
+        .flat_map(|(s, &(q_len, ctx))| {
+            (0..q_len)
+                .step_by(rows.max(1))
+                .map(move |q0| (ctx - q_len + (q0 + rows).min(q_len), [s as i32, q0 as i32]))
+        })
+        .collect();
+    tiles.sort_by_key(|&(keys, _)| std::cmp::Reverse(keys));
+    tiles.into_iter().map(|(_, tile)| tile).collect()
 }
 
 impl AttentionMetadata {
@@ -393,7 +415,13 @@ impl PrefillTensors {
             block_tables: table_tensor(block_tables, max_blocks, device),
             context_lens: usize_tensor(context_lens, device),
             cu_seqlens_q: int_tensor(cu, device),
-            query_lens: Arc::new(query_lens.to_vec()),
+            lens: Arc::new(
+                query_lens
+                    .iter()
+                    .copied()
+                    .zip(context_lens.iter().copied())
+                    .collect(),
+            ),
             tiles: Arc::new(TileCache::default()),
         }
     }

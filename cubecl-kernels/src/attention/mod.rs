@@ -24,7 +24,9 @@ use burn_cubecl::{kernel::into_contiguous, ops::numeric::empty_device_dtype, ten
 use cubecl::prelude::AddressType;
 
 pub use kv_cache::LayerKvCache;
-pub use metadata::{AttentionMetadata, DecodeTensors, MetadataTensors, PrefillTensors, TileCache};
+pub use metadata::{
+    AttentionMetadata, DecodeTensors, MetadataTensors, PrefillTensors, TileCache, prefill_tiles,
+};
 pub use store_kv::QkvLayout;
 
 use crate::KernelError;
@@ -293,7 +295,7 @@ pub fn paged_attention(
             part.context_lens.clone().into_dispatch(),
             part.cu_seqlens_q.clone().into_dispatch(),
             part.tiles
-                .get(rows, &part.query_lens, &q.device())
+                .get(rows, &part.lens, &q.device())
                 .into_dispatch(),
         ),
         _ => (placeholder(), placeholder(), placeholder(), placeholder()),

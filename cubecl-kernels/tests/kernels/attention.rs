@@ -195,6 +195,33 @@ fn prefill_matches_reference() {
     );
 }
 
+/// The prefill tile list covers every query of every sequence once, in tiles of `rows`, and
+/// deals the tiles heaviest first (keys the tile's last row attends to), across sequences.
+#[test]
+fn prefill_tiles_cover_each_query_once_heaviest_first() {
+    let lens = [(5, 5), (130, 200), (64, 64), (1, 300), (16, 40)];
+    let rows = 16;
+    let tiles = cubecl_kernels::prefill_tiles(&lens, rows);
+    let keys = |[s, q0]: [i32; 2]| {
+        let (q_len, ctx) = lens[s as usize];
+        ctx - q_len + (q0 as usize + rows).min(q_len)
+    };
+    let mut covered: Vec<Vec<usize>> = lens.iter().map(|&(q, _)| vec![0; q]).collect();
+    for &[s, q0] in &tiles {
+        let q_len = lens[s as usize].0;
+        for q in q0 as usize..(q0 as usize + rows).min(q_len) {
+            covered[s as usize][q] += 1;
+        }
+    }
+    assert!(covered.iter().flatten().all(|&n| n == 1), "{tiles:?}");
+    assert_eq!(tiles.len(), 1 + 9 + 4 + 1 + 1);
+    let work: Vec<usize> = tiles.iter().map(|&t| keys(t)).collect();
+    assert!(work.windows(2).all(|w| w[0] >= w[1]), "{work:?}");
+    // The one-token chunk over a 300-token context outweighs all but the longest tiles.
+    assert_eq!(tiles[0], [3, 0]);
+    assert_eq!(tiles[1], [1, 128]);
+}
+
 /// Decode of a batch that fills the device alone (150 sequences: on the H100 above half the
 /// tensor-core kernel's target cubes, on CPU runtimes far above), short contexts among a few
 /// long ones, each sequence written by its one cube.

@@ -14,6 +14,8 @@
 
 use cubecl::prelude::*;
 
+use super::tile_and_group;
+
 /// Comptime part of the tensor-core launch.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub struct CmmaPrefillConfig {
@@ -62,8 +64,7 @@ pub fn paged_prefill_cmma<F: Float, NV: Size>(
     #[comptime] cfg: CmmaPrefillConfig,
     #[define(F)] _dtype: ElemType,
 ) {
-    let tile = CUBE_POS_X as usize;
-    let h = CUBE_POS_Y as usize;
+    let (tile, h) = tile_and_group(cfg.heads);
     let tid = UNIT_POS_X as usize;
     let plane = PLANE_POS as usize;
     let lane = UNIT_POS_PLANE as usize;

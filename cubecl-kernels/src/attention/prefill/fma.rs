@@ -9,6 +9,8 @@
 
 use cubecl::prelude::*;
 
+use super::tile_and_group;
+
 /// Comptime part of the launch.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub struct PrefillConfig {
@@ -36,8 +38,7 @@ pub fn paged_prefill_fma<F: Float>(
     #[comptime] cfg: PrefillConfig,
     #[define(F)] _dtype: ElemType,
 ) {
-    let tile = CUBE_POS_X as usize;
-    let h = CUBE_POS_Y as usize;
+    let (tile, h) = tile_and_group(cfg.heads);
     let u = UNIT_POS_X as usize;
     let d = cfg.head_dim;
     let bk = cfg.block_k;

@@ -3,6 +3,7 @@
 //! where scores, probabilities and output accumulators never leave registers.
 //!
 //! Launch geometry: one cube per (`16·R`-query tile, kv head, group of `H` of its query heads),
+//! tile-major (see [`super`]),
 //! with `H × R` planes of 32 lanes; plane `p` owns query rows `16·(p % R) .. + 16` of head
 //! `p / R`, so the `H` heads share every K/V stage (`H` = the whole GQA group up to 8). K/V stages
 //! of `block_k` keys are double-buffered in shared memory: while a stage is computed on, every
@@ -18,6 +19,7 @@ use cubecl::prelude::*;
 use super::super::mma_tile::{
     KvStage, attend_kv_stream, finish_row_sums, load_q_fragments, start_rows,
 };
+use super::tile_and_group;
 
 /// Comptime part of the launch.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
@@ -90,13 +92,13 @@ pub fn paged_prefill_mma<F: Float, NV: Size>(
 ) {
     let def = MmaDefinition::<F, F, f32>::new(16usize, 8usize, 16usize);
     let size!(NP) = def.vector_size(MatrixIdent::A);
-    let tile = CUBE_POS_X as usize;
+    let hgroups = comptime!(cfg.cubes_per_kv_head());
+    let (tile, group) = tile_and_group(comptime!(cfg.kv_heads * hgroups));
     let plane = PLANE_POS as usize;
     let unit = UNIT_POS_X as usize;
-    let hgroups = comptime!(cfg.cubes_per_kv_head());
-    let kvh = CUBE_POS_Y as usize / hgroups;
+    let kvh = group / hgroups;
     let h = kvh * comptime!(cfg.heads / cfg.kv_heads)
-        + (CUBE_POS_Y as usize % hgroups) * cfg.heads_per_cube
+        + (group % hgroups) * cfg.heads_per_cube
         + plane / cfg.row_blocks;
     let g = UNIT_POS_PLANE as usize / 4;
     let t = UNIT_POS_PLANE as usize % 4;

@@ -7,8 +7,14 @@
 //! `cu_seqlens_q[s]..cu_seqlens_q[s+1]`; caches `[num_blocks, block_size, kv_heads, D]`
 //! contiguous; `block_tables [B, max_blocks]`, `context_lens [B]`, `cu_seqlens_q [B + 1]` i32
 //! (row offsets into `q`: the prefill rows follow a step's decode rows); `tiles [num_tiles, 2]`
-//! i32 = (sequence, first query of the tile), built on the host ([`tile_rows`] queries each);
-//! a tile of sequence −1 is padding (a captured step's grid covers its most tiles).
+//! i32 = (sequence, first query of the tile), built on the host ([`tile_rows`] queries each,
+//! heaviest first: [`crate::prefill_tiles`]); a tile of sequence −1 is padding (a captured
+//! step's grid covers its most tiles).
+//!
+//! Launch geometry (all three kernels): a one-dimensional grid of `num_tiles × G` cubes, cube
+//! `c` serving tile `c / G` and head group `c % G` (`G` = query heads, or kv heads × cubes per
+//! kv head): the device deals cubes out in this order, so every head group of the heaviest
+//! tile starts first and the causal triangle's short tiles fill the last wave.
 //!
 //! Three kernels with the same arguments, chosen per device and dtype by [`paged_prefill`]:
 //! - [`mma`]: CUDA with manual MMA (`mma.sync`), bf16/f16 — flash-attention-2 with S, P and O in
@@ -23,13 +29,20 @@ mod mma;
 use burn::backend::cubecl::dtype_to_storage_type;
 use burn::tensor::DType;
 use burn_cubecl::tensor::CubeTensor;
-use cubecl::prelude::{CubeCount, CubeDim};
+use cubecl::prelude::*;
 
 use crate::device_caps::DeviceCaps;
 use crate::knobs::Knobs;
 use cmma::{CmmaPrefillConfig, paged_prefill_cmma};
 use fma::{PrefillConfig, paged_prefill_fma};
 use mma::{MmaPrefillConfig, paged_prefill_mma};
+
+/// This cube's (tile, head group) in the tile-major grid of `groups` head groups per tile.
+#[cube]
+fn tile_and_group(#[comptime] groups: usize) -> (usize, usize) {
+    let cube = CUBE_POS_X as usize;
+    (cube / groups, cube % groups)
+}
 
 /// The tensor-core launch for this device and shape, if any: four planes (64 queries) per cube,
 /// 64 keys per stage at `D ≤ 64` and 32 above (64 and 76 KiB of shared memory at `D` = 64 and
@@ -193,6 +206,14 @@ pub(crate) fn paged_prefill(
     if num_tiles == 0 {
         return;
     }
+    let grid = |tiles: usize, groups: usize| {
+        u32::try_from(tiles * groups)
+            .ok()
+            .filter(|&n| n < 1 << 31)
+            .unwrap_or_else(|| {
+                panic!("paged prefill: {tiles} tiles × {groups} head groups exceed a grid")
+            })
+    };
     // The kernels read the tile list flat, `[num_tiles, 2]` row-major without a pitch (a
     // contiguous list is passed through as it is).
     let tiles = burn_cubecl::kernel::into_contiguous(tiles);
@@ -209,7 +230,7 @@ pub(crate) fn paged_prefill(
         ($kernel:path, $heads:expr, $units:expr, $cfg:expr $(, vec = $vec:expr)?) => {
             $kernel(
                 &q.client,
-                CubeCount::Static(num_tiles as u32, $heads as u32, 1),
+                CubeCount::Static(grid(num_tiles, $heads), 1, 1),
                 CubeDim::new_1d($units as u32),
                 super::address_type(&[&k_cache, &q]),
                 $($vec,)?
