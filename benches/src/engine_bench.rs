@@ -499,10 +499,12 @@ fn timed_generate(
 /// and each capture's time and device memory.
 fn print_graphs(limits: &engine::EngineLimits) {
     eprintln!(
-        "step graphs (tokens) {:?}: {} MiB measured when the KV pool was sized ({} blocks)",
+        "step graphs (tokens) {:?}: {} MiB measured when the KV pool was sized ({} blocks, \
+         {} sequences at most)",
         limits.graph_sizes,
         limits.graph_memory >> 20,
-        limits.num_kv_blocks
+        limits.num_kv_blocks,
+        limits.max_num_seqs
     );
     for f in &limits.graph_failures {
         eprintln!("graph capture refused: {f}");

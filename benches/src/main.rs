@@ -108,9 +108,9 @@ struct Cli {
     /// Engine suites: sequences of the nano workload.
     #[arg(long, default_value_t = 256)]
     num_seqs: usize,
-    /// Engine suites: most sequences per step (default: the engine's).
-    #[arg(long, default_value_t = burn_nanovllm::EngineConfig::default().max_num_seqs)]
-    max_num_seqs: usize,
+    /// Engine suites: most sequences per step (default: the engine's for the device).
+    #[arg(long)]
+    max_num_seqs: Option<usize>,
     /// Engine suites: most tokens per step (default: the engine's).
     #[arg(long, default_value_t = burn_nanovllm::EngineConfig::default().max_num_batched_tokens)]
     max_num_batched_tokens: usize,

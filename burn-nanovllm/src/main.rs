@@ -59,9 +59,10 @@ struct ModelArgs {
 /// Engine options (vLLM's names).
 #[derive(Args)]
 struct EngineArgs {
-    /// Most sequences running at once.
-    #[arg(long, default_value_t = EngineConfig::default().max_num_seqs)]
-    max_num_seqs: usize,
+    /// Most sequences running at once (default: vLLM's, 1,024 on GPUs of at least 70 GiB, else
+    /// 256; a default of 1,024 shrinks to what the KV pool holds at 1,024 tokens a sequence).
+    #[arg(long)]
+    max_num_seqs: Option<usize>,
     /// Most tokens computed per step.
     #[arg(long, default_value_t = EngineConfig::default().max_num_batched_tokens)]
     max_num_batched_tokens: usize,
@@ -487,7 +488,7 @@ fn logits(args: LogitsArgs) -> Result<()> {
     let config = EngineConfig {
         device: args.model.device,
         dtype: args.model.dtype,
-        max_num_seqs: prompts.len().max(1),
+        max_num_seqs: Some(prompts.len().max(1)),
         max_num_batched_tokens: (longest * prompts.len()).max(prompts.len()).max(256),
         max_model_len: Some(longest + args.greedy + 1),
         ..EngineConfig::default()

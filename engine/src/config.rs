@@ -13,8 +13,12 @@ pub struct EngineConfig {
     pub device: DeviceKind,
     /// Compute dtype; default f32 on CPUs, bf16 on CUDA.
     pub dtype: Option<DType>,
-    /// Most sequences running at once (and in one step).
-    pub max_num_seqs: usize,
+    /// Most sequences running at once (and in one step). `None`: vLLM's default for the
+    /// device ([`default_max_num_seqs`]: 1,024 on GPUs of at least 70 GiB, else 256), of which
+    /// the engine keeps no more than its KV pool can give [`TOKENS_PER_DEFAULT_SEQ`] tokens
+    /// each (never below 256): more would only be preempted. The engine's
+    /// [`config`](crate::LLMEngine::config) holds the number in force.
+    pub max_num_seqs: Option<usize>,
     /// Most tokens computed in one step (decode tokens plus prefill chunks).
     pub max_num_batched_tokens: usize,
     /// Longest prompt + output; default the model's `max_position_embeddings`.
@@ -72,7 +76,7 @@ impl Default for EngineConfig {
         Self {
             device: DeviceKind::Cpu,
             dtype: None,
-            max_num_seqs: 256,
+            max_num_seqs: None,
             max_num_batched_tokens: 8192,
             max_model_len: None,
             block_size: 16,
@@ -93,7 +97,39 @@ impl Default for EngineConfig {
     }
 }
 
+/// KV tokens a sequence of a default-sized batch may count on: a default `max_num_seqs` larger
+/// than 256 shrinks to what the pool holds at this many tokens a sequence.
+pub const TOKENS_PER_DEFAULT_SEQ: usize = 1024;
+
+/// vLLM's default `max_num_seqs` for `device` (`get_batch_defaults` in its `arg_utils.py`):
+/// 1,024 on a CUDA GPU of at least 70 GiB that is not an A100 (its note: larger batches made
+/// A100s slower), 256 elsewhere. vLLM also raises its offline step budget to 16,384 tokens
+/// there; ours stays at 8,192 (vLLM's server value), since a 16,384-token warm-up and its graphs
+/// left a 7B model's KV pool 2.5 times smaller on an H100 (docs/BENCHMARKS.md).
+pub fn default_max_num_seqs(device: DeviceKind) -> usize {
+    const LARGE_GPU: usize = 70 << 30;
+    let DeviceKind::Cuda(index) = device else {
+        return 256;
+    };
+    let large = crate::memory::cuda_memory(index).is_some_and(|(_, total)| total >= LARGE_GPU);
+    let a100 = crate::memory::cuda_device_name(index)
+        .is_some_and(|name| name.to_lowercase().contains("a100"));
+    if large && !a100 { 1024 } else { 256 }
+}
+
+/// The default batch's `max_num_seqs` once the KV pool holds `pool_tokens`: `default`, but no
+/// more sequences than get [`TOKENS_PER_DEFAULT_SEQ`] tokens each, and never fewer than 256.
+pub fn seqs_the_pool_serves(default: usize, pool_tokens: usize) -> usize {
+    default.min((pool_tokens / TOKENS_PER_DEFAULT_SEQ).max(256))
+}
+
 impl EngineConfig {
+    /// `max_num_seqs`, or the device's default ([`default_max_num_seqs`]) when unset.
+    pub fn max_num_seqs(&self) -> usize {
+        self.max_num_seqs
+            .unwrap_or_else(|| default_max_num_seqs(self.device))
+    }
+
     /// The compute dtype for this device.
     pub fn dtype(&self) -> DType {
         self.dtype.unwrap_or(match self.device {
@@ -128,7 +164,7 @@ impl EngineConfig {
         match &self.cuda_graph_sizes {
             Some(sizes) => sizes.clone(),
             None => crate::cuda_graph::default_graph_sizes(
-                self.max_num_seqs,
+                self.max_num_seqs(),
                 self.max_num_batched_tokens,
             ),
         }
@@ -137,15 +173,17 @@ impl EngineConfig {
     /// Checks the options' ranges; the error names the option.
     pub fn validate(&self) -> Result<()> {
         let c = EngineError::config;
-        if self.max_num_seqs == 0 {
+        if self.max_num_seqs == Some(0) {
             return Err(c("max_num_seqs", "must be at least 1".to_string()));
         }
-        if self.max_num_batched_tokens < self.max_num_seqs {
+        let max_num_seqs = self.max_num_seqs();
+        if self.max_num_batched_tokens < max_num_seqs {
             return Err(c(
                 "max_num_batched_tokens",
                 format!(
-                    "{} is less than max_num_seqs = {} (every running sequence needs a token)",
-                    self.max_num_batched_tokens, self.max_num_seqs
+                    "{} is less than max_num_seqs = {max_num_seqs} (every running sequence \
+                     needs a token)",
+                    self.max_num_batched_tokens
                 ),
             ));
         }

@@ -39,6 +39,9 @@ use cubecl_kernels::UploadBuffer;
 /// The engine's resolved limits.
 #[derive(Clone, Debug, PartialEq)]
 pub struct EngineLimits {
+    /// Most sequences running at once: `max_num_seqs`, or the device's default as far as the
+    /// KV pool serves it ([`EngineConfig::max_num_seqs`]).
+    pub max_num_seqs: usize,
     /// Longest prompt + output.
     pub max_model_len: usize,
     /// KV blocks in the pool.
@@ -130,9 +133,12 @@ impl LLMEngine {
         model: Qwen2Model,
         dir: Option<&Path>,
         device: Device,
-        config: EngineConfig,
+        mut config: EngineConfig,
     ) -> Result<Self> {
         config.validate()?;
+        // The device's default batch limit is read once; the pool may lower it below.
+        let default_seqs = config.max_num_seqs.is_none();
+        config.max_num_seqs = Some(config.max_num_seqs());
         let tokenizer = match dir {
             Some(d) if d.join("tokenizer.json").exists() => {
                 Some(Arc::new(Qwen2Tokenizer::from_dir(d)?))
@@ -175,6 +181,15 @@ impl LLMEngine {
             Some(n) => (n, 0),
             None => memory::size_kv_pool(&model, &device, &config, max_model_len, working_set)?,
         };
+        // The warm-ups and the graphs' probe served the device's default, and the graphs are
+        // captured for it as probed; the scheduler keeps to what the pool can hold.
+        let (graph_sizes, graph_seqs) = (config.graph_sizes(), config.max_num_seqs());
+        if default_seqs {
+            config.max_num_seqs = Some(crate::config::seqs_the_pool_serves(
+                config.max_num_seqs(),
+                num_kv_blocks * config.block_size,
+            ));
+        }
         // The pool lives as long as the engine: in persistent memory, its layers do not size
         // the dynamic pools' pages, which every step graph keeps some of.
         let cache = cubecl_kernels::persistent(&device, (), |()| {
@@ -191,16 +206,16 @@ impl LLMEngine {
             cache,
             device,
             config.device,
-            config.max_num_seqs,
+            graph_seqs,
             max_model_len,
-            &config.graph_sizes(),
+            &graph_sizes,
             config.emulate_graphs,
         )?;
         runner.set_mark_steps(config.gpu_timeline && config.record_steps);
         let graph_sizes = runner.graph_sizes();
         let scheduler = Scheduler::new(
             SchedulerLimits {
-                max_num_seqs: config.max_num_seqs,
+                max_num_seqs: config.max_num_seqs(),
                 max_num_batched_tokens: config.max_num_batched_tokens,
             },
             BlockManager::new(
@@ -220,6 +235,7 @@ impl LLMEngine {
             },
         );
         let limits = EngineLimits {
+            max_num_seqs: config.max_num_seqs(),
             max_model_len,
             num_kv_blocks,
             block_size: config.block_size,

@@ -42,7 +42,9 @@ pub mod structured_output;
 mod warm_up;
 
 pub use block_manager::BlockManager;
-pub use config::EngineConfig;
+pub use config::{
+    EngineConfig, TOKENS_PER_DEFAULT_SEQ, default_max_num_seqs, seqs_the_pool_serves,
+};
 pub use cubecl_kernels::DeviceKind;
 pub use cuda_graph::{GraphCapture, GraphTimings, default_graph_sizes};
 pub use engine::{EngineLimits, LLMEngine};

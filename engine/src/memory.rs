@@ -64,7 +64,7 @@ pub(crate) fn size_kv_pool(
     let dtype = model.dtype();
     let c = &model.config;
     let bs = config.block_size;
-    let most = config.max_num_seqs * max_model_len.div_ceil(bs);
+    let most = config.max_num_seqs() * max_model_len.div_ceil(bs);
     let DeviceKind::Cuda(index) = config.device else {
         let fits = blocks_in(config.cpu_kv_cache_bytes, c, bs, dtype);
         return Ok((most.min(fits).max(max_model_len.div_ceil(bs)), 0));
@@ -124,7 +124,7 @@ fn measure_graph_bytes(
         cache,
         device.clone(),
         config.device,
-        config.max_num_seqs,
+        config.max_num_seqs(),
         max_model_len,
         &sizes,
         false,

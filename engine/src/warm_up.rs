@@ -32,7 +32,7 @@ pub(crate) fn warm_up(
             break;
         }
         let total = t - offset.min(t - 1);
-        let decodes = config.max_num_seqs.min(total / 2);
+        let decodes = config.max_num_seqs().min(total / 2);
         warm_up_step(model, device, config, max_model_len, total, decodes)?;
         t = t.next_power_of_two() / 2;
     }
@@ -79,7 +79,7 @@ fn warm_up_step(
         .collect();
     let meta = AttentionMetadata::new(queries, contexts, tables, bs, device)?;
     let ids = vec![0u32; total];
-    let n = config.max_num_seqs.min(total);
+    let n = config.max_num_seqs().min(total);
     let rows: Vec<i32> = (0..n).map(|r| ((r * total) / n) as i32).collect();
     let rows = Tensor::<1, Int>::from_data(TensorData::new(rows, [n]), (device, DType::I32));
     let logits = model.forward(

@@ -38,8 +38,8 @@
 #  15. batch limits (`limits`): the engine figures of 2. for each max_num_seqs,max_num_batched_tokens
 #      pair in LIMITS.
 #  16. larger models (`large`): bench.py and ±90 % on the random weights of each DUMMIES entry
-#      (default qwen2-7b) at each LIMITS pair (default 256,8192): the KV pool sized around the
-#      step graphs' measured memory (large-*.log).
+#      (default qwen2-7b) at each LIMITS pair (default 256,8192; `default`: the engine's own
+#      limits): the KV pool sized around the step graphs' measured memory (large-*.log).
 #  17. the prefill kernel under Nsight Compute (`prefill-ncu`): the full section set and the
 #      per-instruction SASS (stall samples, executed instructions) of one launch of the
 #      manual-MMA prefill at each NCU_MODELS entry's 1 × 4096 shape (default qwen3-0.6b):
@@ -119,6 +119,7 @@ if [[ " $SECTIONS " == *" large "* && -x $B ]]; then
     for e in ${LIMITS:-256,8192}; do
       tag="large-$m-${e%,*}-${e#*,}"
       X="--dummy $m --max-num-seqs ${e%,*} --max-num-batched-tokens ${e#*,}"
+      [[ $e == default ]] && tag="large-$m-default" && X="--dummy $m"
       echo "== [$tag] bench.py (nano)"
       timeout 300 $B nano --device cuda $X --out "$OUT/$tag-nano.json" 2>&1 | tee "$OUT/$tag-nano.log" | quiet | tail -3
       echo "== [$tag] throughput, ±90 %"

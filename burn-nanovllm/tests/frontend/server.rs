@@ -43,7 +43,7 @@ pub(super) fn engine_config() -> EngineConfig {
     EngineConfig {
         device: DeviceKind::Cpu,
         dtype: Some(DType::F32),
-        max_num_seqs: 8,
+        max_num_seqs: Some(8),
         max_num_batched_tokens: 256,
         num_kv_blocks: Some(128),
         max_model_len: Some(256),

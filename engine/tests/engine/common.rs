@@ -114,7 +114,7 @@ pub fn engine_on(name: &str, device: DeviceKind, config: EngineConfig) -> LLMEng
 pub fn small_config() -> EngineConfig {
     EngineConfig {
         dtype: Some(burn::tensor::DType::F32),
-        max_num_seqs: 4,
+        max_num_seqs: Some(4),
         max_num_batched_tokens: 24,
         num_kv_blocks: Some(128),
         max_model_len: Some(256),
@@ -126,7 +126,7 @@ pub fn small_config() -> EngineConfig {
 /// of 16 for up to 21 needed, 6 sequences, `max_model_len` 160): it forces preemption.
 pub fn tight_pool(config: EngineConfig) -> EngineConfig {
     EngineConfig {
-        max_num_seqs: 6,
+        max_num_seqs: Some(6),
         num_kv_blocks: Some(10),
         max_model_len: Some(160),
         ..config

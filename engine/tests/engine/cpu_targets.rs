@@ -185,7 +185,7 @@ fn run_engine(arch: &str, heads: usize, kv_heads: usize, head_dim: usize, dtype:
         EngineConfig {
             device: DeviceKind::CubeclCpu,
             dtype: Some(dtype),
-            max_num_seqs: 4,
+            max_num_seqs: Some(4),
             max_num_batched_tokens: 48,
             num_kv_blocks: Some(64),
             max_model_len: Some(128),

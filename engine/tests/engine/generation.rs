@@ -365,7 +365,7 @@ fn a_failed_device_ends_every_request_and_the_engine() {
     let prompts = Golden::load(name).prompts();
     for panics in [false, true] {
         let config = EngineConfig {
-            max_num_seqs: 2,
+            max_num_seqs: Some(2),
             ..small_config()
         };
         let mut engine = engine_on(name, test_device(), config);

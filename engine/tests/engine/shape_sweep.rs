@@ -163,7 +163,7 @@ fn engine(dir: &Path, device: DeviceKind, dtype: DType) -> LLMEngine {
         EngineConfig {
             device,
             dtype: Some(dtype),
-            max_num_seqs: 4,
+            max_num_seqs: Some(4),
             // Chunked prefills mixed with decodes; on CUDA steps replay graphs of 1–32 tokens.
             max_num_batched_tokens: 32,
             num_kv_blocks: Some(64),

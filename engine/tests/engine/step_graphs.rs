@@ -169,6 +169,30 @@ fn default_graph_sizes_double_up_to_max_num_seqs() {
     }
 }
 
+/// The default batch limit: vLLM's 256 off large GPUs (a CPU here), and a default of 1,024
+/// lowered to the sequences the KV pool gives 1,024 tokens each, never below 256.
+#[test]
+fn default_batch_limit_follows_the_device_and_the_pool() {
+    use engine::{TOKENS_PER_DEFAULT_SEQ, default_max_num_seqs, seqs_the_pool_serves};
+    assert_eq!(default_max_num_seqs(DeviceKind::Cpu), 256);
+    assert_eq!(EngineConfig::default().max_num_seqs(), 256);
+    assert_eq!(TOKENS_PER_DEFAULT_SEQ, 1024);
+    // A 0.5B model's pool (4.4 M tokens), a 7B model's (544 k), a small one (100 k).
+    assert_eq!(seqs_the_pool_serves(1024, 4_400_000), 1024);
+    assert_eq!(seqs_the_pool_serves(1024, 544_000), 531);
+    assert_eq!(seqs_the_pool_serves(1024, 100_000), 256);
+    assert_eq!(seqs_the_pool_serves(256, 100_000), 256);
+    // The engine reports the limit in force.
+    let config = EngineConfig {
+        num_kv_blocks: Some(64),
+        max_model_len: Some(256),
+        ..EngineConfig::default()
+    };
+    let engine = engine_on("qwen2-tiny-tied", DeviceKind::Cpu, config);
+    assert_eq!(engine.limits().max_num_seqs, 256);
+    assert_eq!(engine.config().max_num_seqs, Some(256));
+}
+
 /// The scheduler shapes steps to the graph sizes: a prefill-heavy step is cut to the largest
 /// size it can fill, a step that cannot fill one keeps its demand (the graph pads it), decodes
 /// alone are never cut.
@@ -263,11 +287,11 @@ fn a_pool_sized_around_the_graphs_serves_the_goldens() {
     let l = engine.limits();
     let per_seq = l.max_model_len.div_ceil(l.block_size);
     assert!(l.num_kv_blocks >= per_seq, "{} blocks", l.num_kv_blocks);
-    assert!(l.num_kv_blocks <= 2 * config.max_num_seqs * per_seq);
+    assert!(l.num_kv_blocks <= 2 * config.max_num_seqs() * per_seq);
     if matches!(graph_device(), DeviceKind::Cuda(_)) {
         assert!(l.graph_failures.is_empty(), "{:?}", l.graph_failures);
         assert_eq!(l.graph_captures.len(), 3, "1, 8 and 24 tokens");
-        assert_eq!(l.num_kv_blocks, 2 * config.max_num_seqs * per_seq);
+        assert_eq!(l.num_kv_blocks, 2 * config.max_num_seqs() * per_seq);
     } else {
         assert_eq!(l.graph_memory, 0, "nothing to measure off CUDA");
     }

@@ -107,7 +107,7 @@ fn constrained_outputs_validate_across_seeds_and_mixed_batches() {
     for overlap in [true, false] {
         let config = EngineConfig {
             async_scheduling: Some(overlap),
-            max_num_seqs: 8,
+            max_num_seqs: Some(8),
             max_num_batched_tokens: 64,
             ..small_config()
         };
