@@ -554,7 +554,11 @@ fn print_step_profile(
     }
     for (lo, hi) in [(1, 32), (33, 128), (129, 256), (257, usize::MAX)] {
         classes.push((
-            format!("decode {lo}-{hi}"),
+            if hi == usize::MAX {
+                format!("decode {lo}+")
+            } else {
+                format!("decode {lo}-{hi}")
+            },
             indices(&|r| r.num_tokens == r.num_seqs && (lo..=hi).contains(&r.num_seqs)),
         ));
     }

@@ -157,17 +157,20 @@ if [[ " $SECTIONS " == *" old "* && -x /tmp/bin/benches-old ]]; then
   bench /tmp/bin/benches-old old
 fi
 if [[ " $SECTIONS " == *" serve "* && -x $B ]]; then
-  # The same 1,000 requests offline and through the server (256 in flight): in process (the
-  # server's engine thread) and over HTTP on loopback; varied lengths (±90 %), then equal.
+  # The same 1,000 requests offline and through the server (IN_FLIGHT in flight, default 256):
+  # in process (the server's engine thread) and over HTTP on loopback; varied lengths (±90 %),
+  # then equal.
   for r in 0.9 0; do
     W="--device cuda --num-prompts 1000 --input-len 528 --output-len 136 --random-range-ratio $r"
     echo "== offline, range $r"
     timeout 120 $B throughput $W --out "$OUT/offline-$r.json" 2>&1 | tee "$OUT/offline-$r.log" | quiet | tail -1
-    for how in in-process http; do
-      flag=""; [ $how = http ] && flag="--http"
-      echo "== serve $how, range $r, 256 in flight"
-      timeout 150 $B serve $W --max-concurrency 256 $flag --out "$OUT/serve-$how-$r.json" 2>&1 \
-        | tee "$OUT/serve-$how-$r.log" | quiet | tail -1
+    for n in ${IN_FLIGHT:-256}; do
+      for how in in-process http; do
+        flag=""; [ $how = http ] && flag="--http"
+        echo "== serve $how, range $r, $n in flight"
+        timeout 150 $B serve $W --max-concurrency $n $flag --out "$OUT/serve-$how-$r-$n.json" 2>&1 \
+          | tee "$OUT/serve-$how-$r-$n.log" | quiet | tail -1
+      done
     done
   done
 fi

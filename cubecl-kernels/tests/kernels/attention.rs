@@ -208,10 +208,9 @@ fn prefill_tiles_cover_each_query_once_heaviest_first() {
     };
     let mut covered: Vec<Vec<usize>> = lens.iter().map(|&(q, _)| vec![0; q]).collect();
     for &[s, q0] in &tiles {
-        let q_len = lens[s as usize].0;
-        for q in q0 as usize..(q0 as usize + rows).min(q_len) {
-            covered[s as usize][q] += 1;
-        }
+        let (s, q0) = (s as usize, q0 as usize);
+        let q_end = (q0 + rows).min(lens[s].0);
+        covered[s][q0..q_end].iter_mut().for_each(|n| *n += 1);
     }
     assert!(covered.iter().flatten().all(|&n| n == 1), "{tiles:?}");
     assert_eq!(tiles.len(), 1 + 9 + 4 + 1 + 1);
