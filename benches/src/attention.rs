@@ -36,7 +36,7 @@ fn setup(c: &Qwen2Config, seqs: &[(usize, usize)], device: &Device, dtype: DType
         device,
     )
     .expect("metadata");
-    let shape = [blocks, BLOCK_SIZE, c.num_key_value_heads, c.head_dim];
+    let shape = [blocks, c.num_key_value_heads, BLOCK_SIZE, c.head_dim];
     let cache = LayerKvCache {
         k: Tensor::random(shape, Distribution::Normal(0.0, 1.0), (device, dtype)),
         v: Tensor::random(shape, Distribution::Normal(0.0, 1.0), (device, dtype)),

@@ -146,7 +146,7 @@ impl Attention {
             device,
         )
         .expect("attention metadata");
-        let shape = [rows * per_seq, BLOCK, c.num_key_value_heads, c.head_dim];
+        let shape = [rows * per_seq, c.num_key_value_heads, BLOCK, c.head_dim];
         let kv = || Tensor::<4>::random(shape, Distribution::Normal(0.0, 1.0), (device, dtype));
         Self {
             cache: LayerKvCache { k: kv(), v: kv() },

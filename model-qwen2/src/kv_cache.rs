@@ -7,7 +7,7 @@ use crate::config::Qwen2Config;
 use crate::error::Result;
 
 /// One [`LayerKvCache`] per decoder layer, each
-/// `[num_blocks, block_size, num_kv_heads, head_dim]`, allocated once.
+/// `[num_blocks, num_kv_heads, block_size, head_dim]`, allocated once.
 #[derive(Clone, Debug)]
 pub struct KvCache {
     /// Per-layer storage.

@@ -26,6 +26,8 @@
 use cubecl::cmma::{MatrixIdent, MmaDefinition};
 use cubecl::prelude::*;
 
+use super::kv_cache::cache_row;
+
 /// Shape of a K/V stage and of the units that fill it.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub struct KvStage {
@@ -85,7 +87,8 @@ pub fn fetch_kv<F: Float, NV: Size>(
         let mut vv = Vector::<F, NV>::new(F::new(0.0));
         if key < end && (exact || idx < total) {
             let block = block_tables[table_row + key / block_size] as usize;
-            let at = ((block * block_size + key % block_size) * st.kv_heads + kvh) * dv + idx % dv;
+            let at =
+                cache_row(block, key % block_size, kvh, st.kv_heads, block_size) * dv + idx % dv;
             kv = k_cache[at];
             vv = v_cache[at];
         }

@@ -109,7 +109,7 @@ pub fn rope_store_kv(
     meta: &AttentionMetadata,
     cache: &mut LayerKvCache,
 ) -> Tensor<3> {
-    let [_, _, kv_heads, d] = cache.dims();
+    let (kv_heads, d) = (cache.kv_heads(), cache.head_dim());
     let [t, width] = qkv.dims();
     let check = || -> Result<(), KernelError> {
         check_cache(cache, kv_heads, d, qkv.dtype(), meta)?;
@@ -252,7 +252,7 @@ pub fn paged_attention(
 ) -> Tensor<3> {
     let [t, heads, d] = q.dims();
     let check = || -> Result<(), KernelError> {
-        let kv_heads = cache.dims()[2];
+        let kv_heads = cache.kv_heads();
         check_cache(cache, kv_heads, d, q.dtype(), meta)?;
         if !heads.is_multiple_of(kv_heads) {
             return Err(KernelError::invalid(format!(
@@ -274,7 +274,7 @@ pub fn paged_attention(
     let decode = meta.tensors.decode.as_ref();
     let prefill = meta.tensors.prefill.as_ref();
     let tile_rows =
-        prefill.and_then(|_| prefill_tile_rows(&q.device(), q.dtype(), heads, cache.dims()[2], d));
+        prefill.and_then(|_| prefill_tile_rows(&q.device(), q.dtype(), heads, cache.kv_heads(), d));
     let plan = AttentionPlan {
         scale,
         decode_context_bound: decode.map(|_| meta.context_bound),
@@ -348,7 +348,7 @@ fn check_cache(
     dtype: DType,
     meta: &AttentionMetadata,
 ) -> Result<(), KernelError> {
-    let [nb, bs, ckvh, cd] = cache.dims();
+    let [nb, ckvh, bs, cd] = cache.dims();
     if (ckvh, cd) != (kv_heads, d) {
         return Err(KernelError::invalid(format!(
             "cache holds {ckvh} kv heads of width {cd}, the input {kv_heads} of width {d}"
@@ -375,7 +375,7 @@ fn check_cache(
 }
 
 /// What the attention launchers read off their operands: `q [rows, heads, D]` (made
-/// unit-inner-stride), caches `[num_blocks, block_size, kv_heads, D]`, and the output
+/// unit-inner-stride), caches `[num_blocks, kv_heads, block_size, D]`, and the output
 /// `[rows, heads, D]`, allocated in `q`'s dtype.
 pub(crate) struct AttentionLaunch {
     pub q: CubeTensor,
@@ -402,8 +402,8 @@ impl AttentionLaunch {
             out,
             heads,
             head_dim,
-            block_size: cache[1],
-            kv_heads: cache[2],
+            block_size: cache[2],
+            kv_heads: cache[1],
         }
     }
 }

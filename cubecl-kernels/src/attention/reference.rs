@@ -66,8 +66,7 @@ pub fn rope_store_kv(
     meta: &AttentionMetadata,
     cache: &mut LayerKvCache,
 ) -> Tensor<3> {
-    let [_, _, kv_heads, d] = cache.dims();
-    let (mut q, mut k, v) = split_qkv(qkv, heads, kv_heads, d);
+    let (mut q, mut k, v) = split_qkv(qkv, heads, cache.kv_heads(), cache.head_dim());
     if let Some(n) = qk_norm {
         q = head_rms_norm(q, n.q, n.eps);
         k = head_rms_norm(k, n.k, n.eps);
@@ -84,7 +83,8 @@ pub fn rope_store_kv(
 ///
 /// `k`, `v`: `[num_tokens, num_kv_heads, head_dim]`.
 pub fn store_kv(cache: &mut LayerKvCache, k: Tensor<3>, v: Tensor<3>, meta: &AttentionMetadata) {
-    let [num_blocks, block_size, kv_heads, head_dim] = cache.dims();
+    let shape = cache.dims();
+    let [num_blocks, kv_heads, block_size, head_dim] = shape;
     let device = k.device();
     let kept: Vec<usize> = (0..meta.num_tokens())
         .filter(|&t| meta.slot_mapping[t] >= 0)
@@ -93,25 +93,39 @@ pub fn store_kv(cache: &mut LayerKvCache, k: Tensor<3>, v: Tensor<3>, meta: &Att
         return;
     }
     let slots: Vec<i64> = kept.iter().map(|&t| meta.slot_mapping[t]).collect();
-    let slots = index_tensor(slots, &device);
+    let rows_at = index_tensor(head_rows(&slots, kv_heads, block_size), &device);
+    // [tokens, kv_heads, D] -> the kept tokens' head rows, [kept · kv_heads, D].
     let rows = |x: Tensor<3>| {
-        let x = x.reshape([meta.num_tokens(), kv_heads * head_dim]);
-        if kept.len() == meta.num_tokens() {
+        let x = if kept.len() == meta.num_tokens() {
             x
         } else {
             x.select(
                 0,
                 index_tensor(kept.iter().map(|&t| t as i64).collect(), &device),
             )
-        }
+        };
+        x.reshape([kept.len() * kv_heads, head_dim])
     };
     let write = |c: Tensor<4>, x: Tensor<3>| {
-        c.reshape([num_blocks * block_size, kv_heads * head_dim])
-            .select_assign(0, slots.clone(), rows(x), IndexingUpdateOp::Assign)
-            .reshape([num_blocks, block_size, kv_heads, head_dim])
+        c.reshape([num_blocks * kv_heads * block_size, head_dim])
+            .select_assign(0, rows_at.clone(), rows(x), IndexingUpdateOp::Assign)
+            .reshape(shape)
     };
     cache.k.inplace(|c| write(c, k));
     cache.v.inplace(|c| write(c, v));
+}
+
+/// The cache rows (`[num_blocks · kv_heads · block_size, D]` view of the head-major layout,
+/// [`crate::LayerKvCache`]) of every kv head of each slot, slot-major: `slots.len() · kv_heads`.
+fn head_rows(slots: &[i64], kv_heads: usize, block_size: usize) -> Vec<i64> {
+    let (kv_heads, block_size) = (kv_heads as i64, block_size as i64);
+    slots
+        .iter()
+        .flat_map(|&s| {
+            (0..kv_heads)
+                .map(move |h| ((s / block_size) * kv_heads + h) * block_size + s % block_size)
+        })
+        .collect()
 }
 
 /// Causal attention of each sequence's new tokens over its whole context in the paged cache
@@ -126,13 +140,13 @@ pub fn paged_attention(
     scale: f32,
 ) -> Tensor<3> {
     let [num_tokens, heads, head_dim] = q.dims();
-    let [num_blocks, block_size, kv_heads, _] = cache.dims();
+    let [num_blocks, kv_heads, block_size, _] = cache.dims();
     let group = heads / kv_heads;
     let device = q.device();
     let dtype = q.dtype();
     let flat = |c: &Tensor<4>| {
         c.clone()
-            .reshape([num_blocks * block_size, kv_heads, head_dim])
+            .reshape([num_blocks * kv_heads * block_size, head_dim])
             .cast(FloatDType::F32)
     };
     let (k_all, v_all) = (flat(&cache.k), flat(&cache.v));
@@ -141,10 +155,11 @@ pub fn paged_attention(
     let mut outputs = Vec::with_capacity(meta.num_seqs());
     for s in 0..meta.num_seqs() {
         let (lq, ctx) = (meta.query_lens[s], meta.context_lens[s]);
-        let slots = index_tensor(meta.context_slots(s, ctx), &device);
+        let rows = head_rows(&meta.context_slots(s, ctx), kv_heads, block_size);
+        let rows = index_tensor(rows, &device);
         // [ctx, kv_heads, d] -> [heads, ctx, d], each KV head repeated for its query group.
-        let expand = |x: Tensor<3>| {
-            x.select(0, slots.clone())
+        let expand = |x: Tensor<2>| {
+            x.select(0, rows.clone())
                 .reshape([ctx, kv_heads, 1, head_dim])
                 .expand([ctx, kv_heads, group, head_dim])
                 .reshape([ctx, heads, head_dim])

@@ -3,8 +3,9 @@
 //!
 //! Memory layout: `q`, `k`, `v` are column ranges of row-major `[T, width]` matrices (the merged
 //! qkv projection, or separate tensors), head `h` at columns `offset + h·D .. offset + (h+1)·D`.
-//! The caches are `[num_blocks, block_size, kv_heads, D]`, contiguous, so slot `s` of head `h`
-//! starts at `(s·kv_heads + h)·D`. RoPE tables `cos`, `sin` are `[max_pos, D/2]` f32.
+//! The caches are `[num_blocks, kv_heads, block_size, D]`, contiguous: slot `s` of head `h`
+//! starts at row `cache_row(s / block_size, s % block_size, h)` (`super::kv_cache`). RoPE
+//! tables `cos`, `sin` are `[max_pos, D/2]` f32.
 //!
 //! Launch geometry: one cube per (token, group of `H` heads) over `heads + kv_heads` heads
 //! (`kv_heads` only for a plain write), `U` units per head (`H·U` per cube): unit `u` works on
@@ -60,6 +61,7 @@ pub struct QkvLayout {
 pub(crate) mod kernel {
     use cubecl::prelude::*;
 
+    use crate::attention::kv_cache::cache_row;
     use crate::row_scale::row_inv_rms;
 
     /// Comptime part of the launch.
@@ -68,6 +70,8 @@ pub(crate) mod kernel {
         pub heads: usize,
         pub kv_heads: usize,
         pub head_dim: usize,
+        /// Tokens per cache block.
+        pub block_size: usize,
         pub rope: bool,
         pub qk_norm: bool,
         pub row_scale: bool,
@@ -208,7 +212,14 @@ pub(crate) mod kernel {
         }
 
         let pos = positions[t] as usize;
-        let cache_base = (max(slot, 0) as usize * cfg.kv_heads + kv_head) * d;
+        let slot = max(slot, 0) as usize;
+        let cache_base = cache_row(
+            slot / cfg.block_size,
+            slot % cfg.block_size,
+            kv_head,
+            cfg.kv_heads,
+            cfg.block_size,
+        ) * d;
         let mut j = lane;
         // Past the last head, or a key/value head without a slot: nothing to write.
         if !live {
@@ -323,6 +334,7 @@ pub(crate) fn rope_store_kv(
         heads: layout.heads,
         kv_heads: layout.kv_heads,
         head_dim: layout.head_dim,
+        block_size: k_cache.meta.shape()[2],
         rope: layout.rope,
         qk_norm: layout.qk_norm,
         row_scale: layout.row_scale,

@@ -66,7 +66,7 @@ fn cache(
     dtype: DType,
     device: &Device,
 ) -> LayerKvCache {
-    let shape = [l.num_blocks, l.block_size, h.kv_heads, h.d];
+    let shape = [l.num_blocks, h.kv_heads, l.block_size, h.d];
     LayerKvCache {
         k: tensor(&values.0, shape, dtype, device),
         v: tensor(&values.1, shape, dtype, device),

@@ -1,7 +1,7 @@
 //! Paged decode attention: one query token per sequence over its cached context, with the
 //! context split across cubes when the batch is small and the context long (flash-decoding).
 //!
-//! Memory layout: `q [B, heads, D]` row-major; caches `[num_blocks, block_size, kv_heads, D]`
+//! Memory layout: `q [B, heads, D]` row-major; caches `[num_blocks, kv_heads, block_size, D]`
 //! contiguous; `block_tables [B, max_blocks]` i32; `context_lens [B]` i32.
 //!
 //! Two kernels, one per shape of the query group (`G = heads / kv_heads` heads per kv head),

@@ -22,6 +22,7 @@
 use burn::tensor::DType;
 use cubecl::prelude::*;
 
+use super::super::kv_cache::cache_row;
 use super::{split_keys, write_merged};
 use crate::device_caps::DeviceCaps;
 
@@ -131,7 +132,7 @@ pub fn paged_decode_row_split<F: Float, NV: Size>(
             if comptime!(!cfg.tile_in_block) {
                 block = block_tables[table_row + key / block_size] as usize;
             }
-            let row = ((block * block_size + key % block_size) * cfg.kv_heads + kvh) * dv;
+            let row = cache_row(block, key % block_size, kvh, cfg.kv_heads, block_size) * dv;
             #[unroll(small)]
             for sl in 0..slots {
                 kr[t * slots + sl] = k_cache[row + x + sl * lanes];

@@ -16,6 +16,7 @@
 
 use cubecl::prelude::*;
 
+use super::super::kv_cache::cache_row;
 use super::{split_keys, write_piece};
 
 /// Comptime part of the launch.
@@ -190,7 +191,7 @@ pub fn paged_decode_wide_group<F: Float, NV: Size>(
         let mut base = 0usize;
         if valid {
             let block = block_tables[table_row + key / block_size] as usize;
-            base = ((block * block_size + key % block_size) * cfg.kv_heads + kvh) * dv;
+            base = cache_row(block, key % block_size, kvh, cfg.kv_heads, block_size) * dv;
         }
         base_s[tid] = base as u32;
         #[unroll]

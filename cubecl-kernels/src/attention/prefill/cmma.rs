@@ -14,6 +14,7 @@
 
 use cubecl::prelude::*;
 
+use super::super::kv_cache::cache_row;
 use super::tile_and_group;
 
 /// Comptime part of the tensor-core launch.
@@ -159,7 +160,7 @@ pub fn paged_prefill_cmma<F: Float, NV: Size>(
             let mut vv = Vector::<F, NV>::new(F::new(0.0));
             if key < last_key {
                 let block = block_tables[table_row + key / block_size] as usize;
-                let at = ((block * block_size + key % block_size) * cfg.kv_heads + kvh) * dv + c;
+                let at = cache_row(block, key % block_size, kvh, cfg.kv_heads, block_size) * dv + c;
                 kv = k_cache[at];
                 vv = v_cache[at];
             }

@@ -9,6 +9,7 @@
 
 use cubecl::prelude::*;
 
+use super::super::kv_cache::cache_row;
 use super::tile_and_group;
 
 /// Comptime part of the launch.
@@ -98,7 +99,7 @@ pub fn paged_prefill_fma<F: Float>(
             let mut vv = 0.0f32;
             if key < last_key {
                 let block = block_tables[table_row + key / block_size] as usize;
-                let at = ((block * block_size + key % block_size) * cfg.kv_heads + kvh) * d + j;
+                let at = cache_row(block, key % block_size, kvh, cfg.kv_heads, block_size) * d + j;
                 kv = f32::cast_from(k_cache[at]);
                 vv = f32::cast_from(v_cache[at]);
             }

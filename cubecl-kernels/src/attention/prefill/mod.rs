@@ -4,7 +4,7 @@
 //! no score matrix ever reaches global memory.
 //!
 //! Memory layout: `q`, `out` `[T, heads, D]` with tokens of sequence `s` at rows
-//! `cu_seqlens_q[s]..cu_seqlens_q[s+1]`; caches `[num_blocks, block_size, kv_heads, D]`
+//! `cu_seqlens_q[s]..cu_seqlens_q[s+1]`; caches `[num_blocks, kv_heads, block_size, D]`
 //! contiguous; `block_tables [B, max_blocks]`, `context_lens [B]`, `cu_seqlens_q [B + 1]` i32
 //! (row offsets into `q`: the prefill rows follow a step's decode rows); `tiles [num_tiles, 2]`
 //! i32 = (sequence, first query of the tile), built on the host ([`tile_rows`] queries each,
