@@ -124,10 +124,12 @@ pub fn seqs_the_pool_serves(default: usize, pool_tokens: usize) -> usize {
 }
 
 impl EngineConfig {
-    /// `max_num_seqs`, or the device's default ([`default_max_num_seqs`]) when unset.
+    /// `max_num_seqs`, or when unset the device's default ([`default_max_num_seqs`]) within
+    /// `max_num_batched_tokens` (every running sequence needs a token of the step).
     pub fn max_num_seqs(&self) -> usize {
-        self.max_num_seqs
-            .unwrap_or_else(|| default_max_num_seqs(self.device))
+        self.max_num_seqs.unwrap_or_else(|| {
+            default_max_num_seqs(self.device).min(self.max_num_batched_tokens.max(1))
+        })
     }
 
     /// The compute dtype for this device.
@@ -175,6 +177,12 @@ impl EngineConfig {
         let c = EngineError::config;
         if self.max_num_seqs == Some(0) {
             return Err(c("max_num_seqs", "must be at least 1".to_string()));
+        }
+        if self.max_num_batched_tokens == 0 {
+            return Err(c(
+                "max_num_batched_tokens",
+                "must be at least 1".to_string(),
+            ));
         }
         let max_num_seqs = self.max_num_seqs();
         if self.max_num_batched_tokens < max_num_seqs {

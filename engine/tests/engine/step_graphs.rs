@@ -176,6 +176,24 @@ fn default_batch_limit_follows_the_device_and_the_pool() {
     use engine::{TOKENS_PER_DEFAULT_SEQ, default_max_num_seqs, seqs_the_pool_serves};
     assert_eq!(default_max_num_seqs(DeviceKind::Cpu), 256);
     assert_eq!(EngineConfig::default().max_num_seqs(), 256);
+    // A default never exceeds the step's tokens; a given limit that does is refused.
+    let small_steps = EngineConfig {
+        max_num_batched_tokens: 100,
+        ..EngineConfig::default()
+    };
+    assert_eq!(small_steps.max_num_seqs(), 100);
+    assert!(small_steps.validate().is_ok());
+    let too_many = EngineConfig {
+        max_num_seqs: Some(101),
+        ..small_steps
+    };
+    assert!(
+        too_many
+            .validate()
+            .unwrap_err()
+            .to_string()
+            .contains("max_num_batched_tokens")
+    );
     assert_eq!(TOKENS_PER_DEFAULT_SEQ, 1024);
     // A 0.5B model's pool (4.4 M tokens), a 7B model's (544 k), a small one (100 k).
     assert_eq!(seqs_the_pool_serves(1024, 4_400_000), 1024);
