@@ -80,10 +80,12 @@ fn cmma_config(
         })
 }
 
-/// The manual-MMA launch for this device and shape, if any: four 16-row query blocks per head
-/// and 32 keys per stage; narrow GQA groups (`G ≤ 2`) put the whole group in one cube, sharing
-/// its K/V stages (8 planes for Qwen3), wider ones one head per cube (sharing across Qwen2-0.5B's
-/// 7 heads measured 10–40 % slower on the H100: docs/results/h100-prefill-mma-layouts.txt).
+/// The manual-MMA launch for this device and shape, if any: four 16-row query blocks per head;
+/// narrow GQA groups (`G ≤ 2`) put the whole group in one cube, sharing its K/V stages of 64
+/// keys (8 planes for Qwen3; at base clocks 2–6 % faster than 32-key stages on the H100 at
+/// Qwen3-0.6B's heads, docs/BENCHMARKS.md), wider ones one head per cube with 32-key stages
+/// (sharing across Qwen2-0.5B's 7 heads measured 10–40 % slower,
+/// docs/results/h100-prefill-mma-layouts.txt; 64-key stages 1–12 % slower).
 /// `BURN_NANOVLLM_PREFILL_MMA=heads_per_cube,row_blocks,block_k` picks another, for benchmarks.
 fn mma_config(
     caps: &DeviceCaps,
@@ -98,7 +100,11 @@ fn mma_config(
         return None;
     }
     let group = heads / kv_heads;
-    let default = (if group <= 2 { group } else { 1 }, 4, 32);
+    let default = if group <= 2 {
+        (group, 4, 64)
+    } else {
+        (1, 4, 32)
+    };
     let (heads_per_cube, row_blocks, block_k) = knobs
         .prefill_mma
         .filter(|(h, r, _)| *h > 0 && *r > 0 && group.is_multiple_of(*h))
