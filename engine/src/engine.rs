@@ -135,10 +135,11 @@ impl LLMEngine {
         device: Device,
         mut config: EngineConfig,
     ) -> Result<Self> {
-        config.validate()?;
-        // The device's default batch limit is read once; the pool may lower it below.
+        // The device's default batch limit is read once (the pool may lower it below), then the
+        // options are checked with it.
         let default_seqs = config.max_num_seqs.is_none();
         config.max_num_seqs = Some(config.max_num_seqs());
+        config.validate()?;
         let tokenizer = match dir {
             Some(d) if d.join("tokenizer.json").exists() => {
                 Some(Arc::new(Qwen2Tokenizer::from_dir(d)?))
