@@ -7,8 +7,9 @@ use rand::Rng;
 
 use super::common::*;
 
-/// Rows of random logits with the parameters a step may mix: greedy, plain temperature, each
-/// filter alone and all together, ties at the top.
+/// Rows of random logits with the parameters a step may mix: greedy, plain temperature (scores
+/// spread over a few times the Gumbel noise's, or far wider), each filter alone and all
+/// together, ties at the top.
 fn cases(rng: &mut rand::rngs::StdRng, vocab: usize) -> (Vec<f32>, Vec<SamplingRow>) {
     let base = SamplingRow {
         temperature: 0.8,
@@ -43,6 +44,11 @@ fn cases(rng: &mut rand::rngs::StdRng, vocab: usize) -> (Vec<f32>, Vec<SamplingR
         SamplingRow {
             top_k: vocab as u32 + 5,
             top_p: 0.999,
+            ..base
+        },
+        // Scores spread far wider than the noise: most tokens skip their noise.
+        SamplingRow {
+            temperature: 0.01,
             ..base
         },
     ];
