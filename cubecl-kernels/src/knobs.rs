@@ -34,6 +34,9 @@ pub(crate) struct Knobs {
     /// `BURN_NANOVLLM_DECODE=lanes,heads_per_unit,tile`: the decode unit layout on plane
     /// devices.
     pub decode_layout: Option<(usize, usize, usize)>,
+    /// `BURN_NANOVLLM_DECODE_UNITS=units`: units per cube the row-split decode kernel aims at
+    /// (its key streams fill them).
+    pub decode_units: Option<usize>,
     /// `BURN_NANOVLLM_DECODE_MMA=planes`: planes of the tensor-core decode kernel (0: never it).
     pub decode_mma_planes: Option<usize>,
     /// `BURN_NANOVLLM_DECODE_SPLIT_KEYS=keys`: a batch that fills the device alone splits its
@@ -69,6 +72,7 @@ impl Knobs {
             prefill_tile: numbers("BURN_NANOVLLM_PREFILL_TILE").map(|[p, k]| (p, k)),
             prefill_mma: numbers("BURN_NANOVLLM_PREFILL_MMA").map(|[h, r, k]| (h, r, k)),
             decode_layout: numbers("BURN_NANOVLLM_DECODE").map(|[l, h, t]| (l, h, t)),
+            decode_units: numbers("BURN_NANOVLLM_DECODE_UNITS").map(|[u]| u),
             decode_mma_planes: numbers("BURN_NANOVLLM_DECODE_MMA").map(|[p]| p),
             decode_split_keys: numbers("BURN_NANOVLLM_DECODE_SPLIT_KEYS").map(|[k]| k),
             sample_units: numbers("BURN_NANOVLLM_SAMPLE_UNITS").map(|[u]| u),

@@ -255,8 +255,12 @@ const TILE_KEYS: usize = 8;
 /// With plane shuffles, a key row of `head_dim / vector` 16-byte vectors is read by `lanes`
 /// units (a power of two within a plane, one vector each where it fits), each scoring all of the
 /// group's heads (measured on the H100 at `G = 2`: better than one head per unit, whose units
-/// re-read and re-convert the same row), and cubes of about two planes' worth of 128 units hold
-/// several key streams; without planes (CPU runtimes) one unit scores whole rows.
+/// re-read and re-convert the same row), and cubes of the device's usual size (128 units on
+/// CUDA) hold several key streams: at Qwen3-0.6B's heads on the H100, 128-unit cubes (8
+/// streams) against 256: bench.py 19,720 against 19,060 out tok/s, ±90 % lengths +5 %, equal
+/// +3 %; uniform contexts of 4k–16k keys at 64–256 rows 4–5 % slower (docs/BENCHMARKS.md); 64, 96 and 192
+/// units measured between. Without planes (CPU runtimes) one unit scores whole rows.
+/// `BURN_NANOVLLM_DECODE_UNITS=units` aims at another cube size, for benchmarks.
 pub(super) fn row_split_config(
     caps: &DeviceCaps,
     dtype: DType,
@@ -271,7 +275,8 @@ pub(super) fn row_split_config(
         while lanes * 2 <= caps.plane_size.min(dv) && dv.is_multiple_of(lanes * 2) {
             lanes *= 2;
         }
-        (lanes, 2 * caps.cube_units)
+        let units = crate::knobs::Knobs::get().decode_units;
+        (lanes, units.unwrap_or(caps.cube_units))
     } else {
         (1, caps.cube_units)
     };
