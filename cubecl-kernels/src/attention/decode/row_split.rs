@@ -258,8 +258,9 @@ const TILE_KEYS: usize = 8;
 /// re-read and re-convert the same row), and cubes of the device's usual size (128 units on
 /// CUDA) hold several key streams: at Qwen3-0.6B's heads on the H100, 128-unit cubes (8
 /// streams) against 256: bench.py 19,720 against 19,060 out tok/s, ±90 % lengths +5 %, equal
-/// +3 %; uniform contexts of 4k–16k keys at 64–256 rows 4–5 % slower (docs/BENCHMARKS.md); 64, 96 and 192
-/// units measured between. Without planes (CPU runtimes) one unit scores whole rows.
+/// +3 %; uniform contexts of 4k–16k keys at 64–256 rows 4–5 % slower (docs/BENCHMARKS.md);
+/// 64, 96 and 192 units measured between. Without planes (CPU runtimes) one unit scores whole
+/// rows.
 /// `BURN_NANOVLLM_DECODE_UNITS=units` aims at another cube size, for benchmarks.
 pub(super) fn row_split_config(
     caps: &DeviceCaps,
