@@ -14,7 +14,13 @@ use serde_json::json;
 use crate::report::{Report, percentile};
 use crate::workload::{WorkItem, nano_bench, random_requests, shared_prefix_requests};
 
+/// nano-vLLM's bench.py builds its engine with `max_model_len=4096`: the `nano` suite does
+/// too, unless `--max-model-len` says otherwise. Every other suite runs at the checkpoint's
+/// own `max_model_len` (its `max_position_embeddings`), as `serve` and `LLM::new` do.
+pub const NANO_MAX_MODEL_LEN: usize = 4096;
+
 /// How the engine is set up for a run.
+#[derive(Clone)]
 pub struct EngineSetup<'a> {
     /// Model name (for the report).
     pub model: &'a str,
@@ -74,6 +80,11 @@ pub fn nano(
     device: &Device,
     dtype: DType,
 ) -> Result<Report> {
+    // bench.py's own `max_model_len`, unless one was given.
+    let mut setup = setup.clone();
+    let bench_py_len = NANO_MAX_MODEL_LEN.min(setup.config.max_position_embeddings);
+    setup.engine.max_model_len = setup.engine.max_model_len.or(Some(bench_py_len));
+    let setup = &setup;
     let start = Instant::now();
     let mut llm = build(setup, device, dtype)?;
     let load_s = start.elapsed().as_secs_f64();
@@ -155,6 +166,8 @@ pub fn nano(
             "graph_build_ms",
             "graph_write_ms",
             "graph_replay_ms",
+            "graph_input_kb",
+            "max_model_len",
             "kv_blocks",
             "load_s",
             "json_fraction",
@@ -191,6 +204,12 @@ pub fn nano(
         json!(per_graph(
             stats.graph_timings.replay - before.graph_timings.replay
         )),
+        json!(
+            (stats.graph_timings.bytes_written - before.graph_timings.bytes_written) as f64
+                / 1024.0
+                / graph_steps as f64
+        ),
+        json!(limits.max_model_len),
         json!(limits.num_kv_blocks),
         json!(load_s),
         json!(json),
@@ -264,8 +283,11 @@ pub fn throughput(
             "graph_steps",
             "ms_per_step",
             "preemptions",
+            "max_model_len",
+            "graph_input_kb",
         ],
     );
+    let graph_steps = (stats.graph_steps - before.graph_steps).max(1) as f64;
     report.row(vec![
         json!(setup.model),
         json!(w.num_prompts),
@@ -282,6 +304,12 @@ pub fn throughput(
         json!(stats.graph_steps - before.graph_steps),
         json!(wall * 1e3 / steps.max(1.0)),
         json!(stats.preemptions - before.preemptions),
+        json!(llm.engine().limits().max_model_len),
+        json!(
+            (stats.graph_timings.bytes_written - before.graph_timings.bytes_written) as f64
+                / 1024.0
+                / graph_steps
+        ),
     ]);
     Ok(report)
 }
@@ -499,8 +527,9 @@ fn timed_generate(
 /// and each capture's time and device memory.
 fn print_graphs(limits: &engine::EngineLimits) {
     eprintln!(
-        "step graphs (tokens) {:?}: {} MiB measured when the KV pool was sized ({} blocks, \
-         {} sequences at most)",
+        "max_model_len {}; step graphs (tokens) {:?}: {} MiB measured when the KV pool was \
+         sized ({} blocks, {} sequences at most)",
+        limits.max_model_len,
         limits.graph_sizes,
         limits.graph_memory >> 20,
         limits.num_kv_blocks,

@@ -111,6 +111,10 @@ struct Cli {
     /// Engine suites: most sequences per step (default: the engine's for the device).
     #[arg(long)]
     max_num_seqs: Option<usize>,
+    /// Engine suites: longest prompt + output (default: the checkpoint's own, as `serve`;
+    /// the `nano` suite: bench.py's 4,096).
+    #[arg(long)]
+    max_model_len: Option<usize>,
     /// Engine suites: most tokens per step (default: the engine's).
     #[arg(long, default_value_t = burn_nanovllm::EngineConfig::default().max_num_batched_tokens)]
     max_num_batched_tokens: usize,
@@ -333,7 +337,7 @@ fn main() -> Result<()> {
             engine: burn_nanovllm::EngineConfig {
                 device: cli.device,
                 dtype: Some(dtype),
-                max_model_len: Some(4096.min(c.max_position_embeddings)),
+                max_model_len: cli.max_model_len,
                 max_num_seqs: cli.max_num_seqs,
                 max_num_batched_tokens: cli.max_num_batched_tokens,
                 enforce_eager: cli.enforce_eager,
@@ -436,6 +440,7 @@ fn main() -> Result<()> {
             "admission_tokens": cli.admission_tokens,
             "admission_wait_steps": cli.admission_wait_steps,
             "num_kv_blocks": cli.num_kv_blocks,
+            "max_model_len": cli.max_model_len,
         });
         let ctx = record::RunContext::new(&cli.device, &format!("{dtype:?}"), engine);
         record::append(path, &ctx, &tables)?;

@@ -35,7 +35,7 @@ impl RunContext {
             cubecl_kernels::DeviceKind::Cuda(i) => Some(*i),
             _ => None,
         };
-        let name = cuda_index.and_then(engine::memory::cuda_device_name);
+        let name = cuda_index.and_then(engine::device_info::cuda_device_name);
         Self {
             git_sha,
             device: name.unwrap_or_else(|| format!("{device:?}")),
@@ -51,7 +51,7 @@ impl RunContext {
 /// off CUDA.
 fn memory_in_use_mb(index: Option<usize>) -> Value {
     index
-        .and_then(engine::memory::cuda_memory)
+        .and_then(engine::device_info::cuda_memory)
         .map_or(Value::Null, |(free, total)| {
             json!((total - free) as f64 / 1048576.0)
         })

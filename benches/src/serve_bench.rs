@@ -273,8 +273,11 @@ async fn one_in_process(
         ..SamplingParams::default()
     };
     let mut clock = StreamClock::start();
+    let place = engine
+        .reserve()
+        .map_err(|e| anyhow!("refused: {}", e.message))?;
     let (_, mut events) = engine
-        .submit(prompt, params)
+        .submit(place, prompt, params, None)
         .await
         .map_err(|e| anyhow!("refused: {}", e.message))?;
     let mut tokens = 0;

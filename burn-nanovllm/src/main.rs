@@ -42,9 +42,9 @@ enum Command {
 struct ModelArgs {
     /// Checkpoint folder (config.json, *.safetensors, tokenizer.json) or Hugging Face repo id
     /// (ORG/NAME, from the local Hugging Face cache, downloaded when online); by default the
-    /// 7 M-parameter English model trained by scripts/tiny-model.
-    #[arg(long, default_value_t = burn_nanovllm::default_model_dir().display().to_string())]
-    model: String,
+    /// 7 M-parameter English model trained by scripts/tiny-model (served as `tiny-english`).
+    #[arg(long)]
+    model: Option<String>,
     /// Branch, tag or commit of a repo id.
     #[arg(long)]
     revision: Option<String>,
@@ -210,6 +210,15 @@ struct ServeArgs {
     /// Seconds in-flight requests may run after SIGINT/SIGTERM before they are aborted.
     #[arg(long, default_value_t = 30)]
     shutdown_timeout: u64,
+    /// Largest request body, bytes; larger ones are refused (413).
+    #[arg(long, default_value_t = ServerConfig::default().max_body_bytes)]
+    max_request_bytes: usize,
+    /// Constraints (JSON schemas, regexes, grammars, tools) compiled at once.
+    #[arg(long, default_value_t = ServerConfig::default().grammar_threads)]
+    grammar_threads: usize,
+    /// Seconds a constraint may take to compile before its request is refused (400).
+    #[arg(long, default_value_t = ServerConfig::default().grammar_timeout.as_secs_f64())]
+    grammar_timeout: f64,
 }
 
 #[derive(Args)]
@@ -245,9 +254,25 @@ fn main() -> Result<()> {
     }
 }
 
+impl ModelArgs {
+    /// The checkpoint folder: `--model` resolved, or the default model's.
+    fn dir(&self) -> Result<PathBuf> {
+        match &self.model {
+            Some(model) => Ok(resolve_model(model, self.revision.as_deref())?),
+            None => Ok(burn_nanovllm::default_model_dir()),
+        }
+    }
+
+    /// The name a server gives the model: the `--model` argument as given (vLLM's rule), or
+    /// `tiny-english` for the default model.
+    fn served_name(&self) -> String {
+        self.model.clone().unwrap_or_else(|| "tiny-english".into())
+    }
+}
+
 fn load(model: &ModelArgs, config: EngineConfig) -> Result<LLM> {
     let start = Instant::now();
-    let dir = resolve_model(&model.model, model.revision.as_deref())?;
+    let dir = model.dir()?;
     let llm = LLM::new(&dir, config).with_context(|| format!("loading {}", dir.display()))?;
     let limits = llm.engine().limits();
     eprintln!(
@@ -440,19 +465,23 @@ fn chat(args: ChatArgs) -> Result<()> {
 }
 
 fn serve(args: ServeArgs) -> Result<()> {
-    let dir = resolve_model(&args.model.model, args.model.revision.as_deref())?;
+    let dir = args.model.dir()?;
     let engine_config = engine_config(&args.model, &args.engine);
     let config = ServerConfig {
         model_name: args
             .served_model_name
             .clone()
-            .unwrap_or_else(|| args.model.model.clone()),
+            .unwrap_or_else(|| args.model.served_name()),
         api_key: args
             .api_key
             .clone()
             .or_else(|| std::env::var("BURN_NANOVLLM_API_KEY").ok()),
         max_pending: args.max_pending,
         shutdown_timeout: std::time::Duration::from_secs(args.shutdown_timeout),
+        max_body_bytes: args.max_request_bytes,
+        grammar_threads: args.grammar_threads,
+        grammar_timeout: std::time::Duration::try_from_secs_f64(args.grammar_timeout)
+            .map_err(|e| anyhow::anyhow!("--grammar-timeout {}: {e}", args.grammar_timeout))?,
         ..ServerConfig::default()
     };
     let name = config.model_name.clone();
@@ -462,6 +491,7 @@ fn serve(args: ServeArgs) -> Result<()> {
         config,
     )
     .with_context(|| format!("loading {}", dir.display()))?;
+    let max_model_len = server.model_info().max_model_len;
     let runtime = tokio::runtime::Runtime::new()?;
     runtime.block_on(async {
         let addr = format!("{}:{}", args.host, args.port);
@@ -469,7 +499,11 @@ fn serve(args: ServeArgs) -> Result<()> {
             .await
             .with_context(|| format!("binding {addr}"))?;
         let bound = listener.local_addr()?;
-        eprintln!("serving `{name}` on http://{bound} (/v1/completions, /v1/chat/completions)");
+        eprintln!(
+            "serving `{name}` (max_model_len {}) on http://{bound} (/v1/completions, \
+             /v1/chat/completions)",
+            max_model_len
+        );
         server.serve(listener, shutdown_signal()).await?;
         eprintln!("server stopped");
         Ok(())

@@ -4,8 +4,10 @@
 //! under hostile prompts. One test binary (modules below) for link time.
 
 mod frontend {
+    mod fuzz;
     mod hostile;
     mod hub;
     mod server;
     mod structured;
+    mod surface;
 }

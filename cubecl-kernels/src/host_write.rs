@@ -9,6 +9,7 @@ use burn::backend::Dispatch;
 use burn::tensor::{DType, Int, Tensor, TensorData};
 use burn_cubecl::tensor::CubeTensor;
 use cubecl::bytes::Bytes;
+use cubecl::prelude::{CubeCount, CubeDim};
 
 use crate::KernelError;
 use crate::ops::KernelOps;
@@ -45,15 +46,7 @@ pub fn write_ints(
     if values.is_empty() {
         return Ok(());
     }
-    let on_cube = {
-        #[allow(unreachable_patterns)]
-        match dst.device().as_dispatch() {
-            #[cfg(any(feature = "cpu", feature = "cuda"))]
-            burn::backend::DispatchDevice::Cube(_) => true,
-            _ => false,
-        }
-    };
-    if !on_cube {
+    if !is_cube(&dst.device()) {
         let device = dst.device();
         let mut all: Vec<i32> = dst
             .clone()
@@ -71,6 +64,102 @@ pub fn write_ints(
     let out = Dispatch::write_ints(dst.extract().into_dispatch(), host);
     *dst = Tensor::from_dispatch(out);
     Ok(())
+}
+
+/// Writes `dst[index] = value` for each `(index, value)` of `entries` (`dst`: `[n]` i32), in
+/// place: one upload of the pairs and one kernel on CubeCL devices, so a
+/// step that changes a few entries spread over a large buffer (block tables) moves only those;
+/// elsewhere `dst` is replaced by a new tensor. Fails on an index out of range.
+pub fn scatter_ints(dst: &mut Tensor<1, Int>, entries: &[[i32; 2]]) -> Result<(), KernelError> {
+    let n = dst.dims()[0];
+    if dst.dtype() != DType::I32 {
+        return Err(KernelError::invalid(format!(
+            "scatter_ints: destination {:?} {:?}; expected i32",
+            dst.dims(),
+            dst.dtype()
+        )));
+    }
+    if let Some(bad) = entries.iter().find(|[i, _]| *i < 0 || *i as usize >= n) {
+        return Err(KernelError::invalid(format!(
+            "scatter_ints: index {} outside a buffer of {n} values",
+            bad[0]
+        )));
+    }
+    if entries.is_empty() {
+        return Ok(());
+    }
+    let device = dst.device();
+    if !is_cube(&device) {
+        let mut all: Vec<i32> = dst
+            .clone()
+            .into_data()
+            .try_into_vec_as::<i32>()
+            .map_err(|e| KernelError::invalid(format!("scatter_ints: {e:?}")))?;
+        for &[i, v] in entries {
+            all[i as usize] = v;
+        }
+        *dst = Tensor::from_data(TensorData::new(all, [n]), (&device, DType::I32));
+        return Ok(());
+    }
+    let flat: Vec<i32> = entries.iter().flatten().copied().collect();
+    let pairs = Tensor::<1, Int>::from_data(
+        TensorData::new(flat, [2 * entries.len()]),
+        (&device, DType::I32),
+    );
+    let out = Dispatch::scatter_ints(dst.extract().into_dispatch(), pairs.into_dispatch());
+    *dst = Tensor::from_dispatch(out);
+    Ok(())
+}
+
+/// True on the CubeCL devices (in-place writes and kernels).
+fn is_cube(device: &burn::tensor::Device) -> bool {
+    #[allow(unreachable_patterns)]
+    match device.as_dispatch() {
+        #[cfg(any(feature = "cpu", feature = "cuda"))]
+        burn::backend::DispatchDevice::Cube(_) => true,
+        _ => false,
+    }
+}
+
+/// Units per cube of [`scatter_pairs`].
+const SCATTER_UNITS: u32 = 256;
+
+/// Device code of [`scatter_ints`].
+mod kernel {
+    use cubecl::prelude::*;
+
+    /// `dst[pairs[2i]] = pairs[2i + 1]` for every pair, one unit per pair.
+    #[cube(launch_unchecked)]
+    pub fn scatter_pairs(dst: &mut Tensor<i32>, pairs: &Tensor<i32>) {
+        let i = CUBE_POS_X as usize * CUBE_DIM_X as usize + UNIT_POS_X as usize;
+        if i < pairs.len() / 2 {
+            dst[pairs[2 * i] as usize] = pairs[2 * i + 1];
+        }
+    }
+}
+
+/// The CubeCL side of [`scatter_ints`] (indices checked by the caller).
+pub(crate) fn scatter_cube(dst: CubeTensor, pairs: CubeTensor) -> CubeTensor {
+    let count = pairs.meta.shape()[0] / 2;
+    assert!(
+        dst.is_contiguous() && pairs.is_contiguous() && dst.dtype == DType::I32,
+        "scatter_ints: contiguous i32 buffers expected"
+    );
+    if count == 0 {
+        return dst;
+    }
+    // SAFETY: every unit below `count` reads its pair and writes one index the host checked
+    // against the destination's length.
+    unsafe {
+        kernel::scatter_pairs::launch_unchecked(
+            &dst.client,
+            CubeCount::Static((count as u32).div_ceil(SCATTER_UNITS), 1, 1),
+            CubeDim::new_1d(SCATTER_UNITS),
+            dst.clone().into_tensor_arg(),
+            pairs.into_tensor_arg(),
+        );
+    }
+    dst
 }
 
 /// The CubeCL side: a host-to-device copy into `dst`'s own buffer, `offset` elements in.

@@ -38,6 +38,7 @@
 //! | [`mask_logits`] | `logits [B, V]` (f32), `M` token bitmasks `[M, ⌈V/32⌉]` (u32) of rows `[M]` → disallowed tokens −∞, in place |
 //! | [`sample_into`] | as [`sample`], into the first `B` slots of an existing `i32` buffer, in place (the next step's graph reads them) |
 //! | [`write_ints`] | host `i32` values into a span of an existing device buffer, in place (graph inputs) |
+//! | [`scatter_ints`] | host `(index, value)` pairs into an existing device buffer, in place (block tables) |
 //! | [`mark_stream`] | a CUDA event on the device's stream behind everything enqueued (device timelines) |
 //! | [`UploadBuffer`] | host memory for an upload, filled in place: pinned on CUDA, so the upload makes no host copy |
 //! | [`read_ints_async`] | starts copying an `i32` buffer to the host behind the work that writes it; wait later |
@@ -72,7 +73,7 @@ pub use device_read::{PendingInts, ReadSlot, read_ints_async};
 pub use error::KernelError;
 pub use gpu_timeline::{GpuMark, MarkSlot, mark_stream};
 pub use host_upload::UploadBuffer;
-pub use host_write::{HostInts, write_ints};
+pub use host_write::{HostInts, scatter_ints, write_ints};
 pub use rms_norm_linear::{
     FusedRmsNormLinear, LinearRoute, add_rms_norm_linear, check_args, linear, linear_add,
     linear_route, rms_norm, rms_norm_linear, set_linear_tuning,

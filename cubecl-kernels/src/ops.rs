@@ -97,6 +97,11 @@ pub trait KernelOps: Backend {
     #[fusion(meta = write_ints_meta)]
     fn write_ints(dst: IntTensor<Self>, values: HostInts) -> IntTensor<Self>;
 
+    /// `dst[pairs[2i]] = pairs[2i + 1]` for each pair of `pairs [2n]` (i32, indices below
+    /// `dst`'s length), in place; returns `dst`, which keeps its address.
+    #[fusion(meta = scatter_ints_meta)]
+    fn scatter_ints(dst: IntTensor<Self>, pairs: IntTensor<Self>) -> IntTensor<Self>;
+
     /// One token per row of `logits [B, V]` (f32): greedy where `params_f[r, 0] ≤ 0`, else a
     /// seeded draw after min-p, top-k and top-p filtering (see [`crate::sampling`]).
     /// `params_f [B, 4]` f32 = (temperature, top_p, min_p, 0); `params_u [B, 4]` u32 =
@@ -197,6 +202,10 @@ fn paged_attention_meta(
 }
 
 fn write_ints_meta(dst: &TensorSpec, _values: &HostInts) -> TensorSpec {
+    dst.clone()
+}
+
+fn scatter_ints_meta(dst: &TensorSpec, _pairs: &TensorSpec) -> TensorSpec {
     dst.clone()
 }
 
@@ -344,6 +353,10 @@ impl KernelOps for CubeBackend {
 
     fn write_ints(dst: IntTensor<Self>, values: HostInts) -> IntTensor<Self> {
         host_write::write_cube(dst, values.offset, &values.values)
+    }
+
+    fn scatter_ints(dst: IntTensor<Self>, pairs: IntTensor<Self>) -> IntTensor<Self> {
+        host_write::scatter_cube(dst, pairs)
     }
 
     fn sample(

@@ -5,6 +5,7 @@ mod kernels {
     mod attention;
     pub mod common;
     mod cpu_builtins;
+    mod host_io;
     mod linear;
     mod model_shapes;
     mod sampling;

@@ -111,8 +111,8 @@ pub fn default_max_num_seqs(device: DeviceKind) -> usize {
     let DeviceKind::Cuda(index) = device else {
         return 256;
     };
-    let large = crate::memory::cuda_memory(index).is_some_and(|(_, total)| total >= LARGE_GPU);
-    let a100 = crate::memory::cuda_device_name(index)
+    let large = crate::device_info::cuda_memory(index).is_some_and(|(_, total)| total >= LARGE_GPU);
+    let a100 = crate::device_info::cuda_device_name(index)
         .is_some_and(|name| name.to_lowercase().contains("a100"));
     if large && !a100 { 1024 } else { 256 }
 }

@@ -1,346 +1,38 @@
 //! Steps replayed as CUDA graphs, one per token-count bucket: decode steps and mixed steps
 //! (decode rows with prefill chunks) alike, as vLLM V1's full graphs.
 //!
-//! A graph of bucket `T` serves any step of at most `T` tokens (the [`Capacity`] below): up to
+//! A graph of bucket `T` serves any step of at most `T` tokens ([`Capacity`]): up to
 //! `min(T, max_num_seqs)` decode rows, up to `min(T / 2, max_num_seqs)` prefill chunks (a chunk
 //! has two tokens or more: a one-token chunk is a decode row) and up to `min(T, max_num_seqs)`
-//! rows that sample. Its inputs are stable device buffers (`i32`), rewritten before each
-//! replay: token ids, positions and cache slots `[T]`, the draw rows `[T]` (where a token row
-//! takes the previous step's draw instead of its host id, [`crate::step`]); the decode rows'
-//! block tables
-//! `[D · width]` and contexts `[D]`; the prefill chunks' block tables `[P · width]`, contexts
-//! `[P]`, row offsets `[P + 1]` and query tiles `[tiles · 2]`; the sampled rows `[S]`. Token rows
-//! are the step's decode rows, then its prefill chunks, then padding; `width =
-//! ceil(max_model_len / block_size)`.
+//! rows that sample. Its inputs are stable device buffers, rewritten in place before each
+//! replay where they changed ([`crate::graph_inputs`]); a token row may take the previous
+//! step's draw instead of its host id ([`crate::step`]).
 //!
 //! Padding never reaches anything a request sees: padding tokens (id 0, position 0) have slot
 //! −1, so the KV write skips them; padding decode rows have context 0 and padding tiles
 //! sequence −1, so the attention kernels neither read nor write for them; the products compute
 //! garbage in padding rows (row by row: no other row reads it); the LM head reads only the
 //! sampled rows, and padding sample rows (row 0) are sliced off before sampling. The decode
-//! kernel's context split is captured for `max_model_len`, so a graph stays valid as contexts
+//! kernel plans its context split on the device from each row's own context (its grid is the
+//! same for any `max_model_len` of at least 64 key steps), so a graph stays valid as contexts
 //! grow.
 //!
 //! Off CUDA, [`StepGraphs`] can *emulate* the graphs: the same buffers and padded forward,
 //! run eagerly instead of replayed (`EngineConfig::emulate_graphs`), so that CPU tests cover
 //! the layout, the padding and the kernels' skips.
 
-use std::ops::Range;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use burn::backend::{Backend, BackendGraph, Dispatch};
-use burn::tensor::{DType, Device, Int, Tensor, TensorData};
-use cubecl_kernels::{
-    AttentionMetadata, DecodeTensors, MetadataTensors, PrefillTensors, TileCache, prefill_tiles,
-    write_ints,
-};
+use burn::tensor::{Device, Int, Tensor};
 use model_qwen2::{KvCache, LogitsRows, Qwen2Model};
 
 use crate::error::{EngineError, Result};
+use crate::graph_inputs::{
+    BlockTables, Buffers, Capacity, DRAW_ROWS, IDS, SAMPLE_ROWS, StepInputs, TableLayout,
+};
 use crate::step::{StepSeq, feed_draws};
-
-/// What one graph holds.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub(crate) struct Capacity {
-    /// Token rows `T`.
-    pub tokens: usize,
-    /// Decode rows `D`.
-    pub decodes: usize,
-    /// Prefill chunks `P`.
-    pub prefills: usize,
-    /// Query tiles of the prefill kernel.
-    pub tiles: usize,
-    /// Rows that sample `S`.
-    pub samples: usize,
-}
-
-/// Most prefill chunks in one step when steps replay graphs (the scheduler keeps to it): the
-/// prefill kernel's grid covers a graph's most tiles, padding ones included, and each chunk
-/// adds up to one; more chunks than this rarely fit a step's tokens anyway.
-pub const MAX_PREFILL_CHUNKS: usize = 32;
-
-impl Capacity {
-    /// The capacity of bucket `tokens` with `tile_rows`-query prefill tiles.
-    pub(crate) fn new(tokens: usize, max_num_seqs: usize, tile_rows: usize) -> Self {
-        let prefills = (tokens / 2).min(max_num_seqs).min(MAX_PREFILL_CHUNKS);
-        Self {
-            tokens,
-            decodes: tokens.min(max_num_seqs),
-            prefills,
-            // Each chunk ends at most one partial tile.
-            tiles: if prefills == 0 {
-                0
-            } else {
-                tokens.div_ceil(tile_rows) + prefills
-            },
-            samples: tokens.min(max_num_seqs),
-        }
-    }
-
-    /// True if bucket `tokens` has a decode-only graph beside its mixed one: it holds a
-    /// prefill chunk (two tokens or more) and no more tokens than decode rows.
-    pub(crate) fn has_decode_only(tokens: usize, max_num_seqs: usize) -> bool {
-        (2..=max_num_seqs).contains(&tokens)
-    }
-
-    /// The capacity of a decode-only graph of bucket `tokens`: no prefill chunk, so its
-    /// forward launches no prefill kernel (whose grid of padding tiles costs each layer a
-    /// launch even when no chunk is there).
-    pub(crate) fn decode_only(tokens: usize, max_num_seqs: usize) -> Self {
-        Self {
-            tokens,
-            decodes: tokens.min(max_num_seqs),
-            prefills: 0,
-            tiles: 0,
-            samples: tokens.min(max_num_seqs),
-        }
-    }
-}
-
-/// Indices of the inputs in [`StepInputs::parts`].
-const POSITIONS: usize = 0;
-const SLOTS: usize = 1;
-const DECODE_CONTEXT: usize = 2;
-const IDS: usize = 3;
-const DRAW_ROWS: usize = 4;
-const SAMPLE_ROWS: usize = 5;
-const PREFILL_CONTEXT: usize = 6;
-const CU_SEQLENS: usize = 7;
-const TILES: usize = 8;
-const DECODE_TABLES: usize = 9;
-const PREFILL_TABLES: usize = 10;
-const NUM_PARTS: usize = 11;
-
-/// The host values of a graph's input buffers for one step (see the module doc).
-#[derive(Clone, Debug, PartialEq, Eq)]
-pub(crate) struct StepInputs {
-    pub ids: Vec<i32>,
-    /// Per token row, the row of the previous step's draws that supplies its id, or −1.
-    pub draw_rows: Vec<i32>,
-    pub positions: Vec<i32>,
-    pub slots: Vec<i32>,
-    pub decode_tables: Vec<i32>,
-    pub decode_context: Vec<i32>,
-    pub prefill_tables: Vec<i32>,
-    pub prefill_context: Vec<i32>,
-    pub cu_seqlens: Vec<i32>,
-    pub tiles: Vec<i32>,
-    pub sample_rows: Vec<i32>,
-    /// Rows of the logits that are real (the rest are padding).
-    pub num_samples: usize,
-}
-
-impl StepInputs {
-    /// The inputs, in [`Buffers`]' order: those every decode step changes first (positions,
-    /// slots, contexts), then the ids (a decode step with overlapped scheduling takes them all
-    /// from the draws, leaving the host ids and draw rows as they were).
-    fn parts(&self) -> [&[i32]; NUM_PARTS] {
-        [
-            &self.positions,
-            &self.slots,
-            &self.decode_context,
-            &self.ids,
-            &self.draw_rows,
-            &self.sample_rows,
-            &self.prefill_context,
-            &self.cu_seqlens,
-            &self.tiles,
-            &self.decode_tables,
-            &self.prefill_tables,
-        ]
-    }
-
-    /// The padded inputs of `seqs` (decode rows first: one new token each; then prefill chunks)
-    /// in a graph of capacity `cap`, or `None` when the step does not fit. Fails on a block
-    /// table wider than `width`.
-    pub(crate) fn new(
-        seqs: &[StepSeq<'_>],
-        cap: Capacity,
-        width: usize,
-        block_size: usize,
-        tile_rows: usize,
-    ) -> Result<Option<Self>> {
-        let tokens: usize = seqs.iter().map(|s| s.num_new_tokens).sum();
-        let decodes = seqs.iter().take_while(|s| s.num_new_tokens == 1).count();
-        let prefills = seqs.len() - decodes;
-        let samples = seqs.iter().filter(|s| s.samples).count();
-        let tiles: usize = seqs[decodes..]
-            .iter()
-            .map(|s| s.num_new_tokens.div_ceil(tile_rows))
-            .sum();
-        if tokens > cap.tokens
-            || decodes > cap.decodes
-            || prefills > cap.prefills
-            || tiles > cap.tiles
-            || samples > cap.samples
-        {
-            return Ok(None);
-        }
-        let mut x = Self {
-            ids: vec![0; cap.tokens],
-            draw_rows: vec![-1; cap.tokens],
-            positions: vec![0; cap.tokens],
-            slots: vec![-1; cap.tokens],
-            decode_tables: vec![0; cap.decodes * width],
-            decode_context: vec![0; cap.decodes],
-            prefill_tables: vec![0; cap.prefills * width],
-            prefill_context: vec![0; cap.prefills],
-            cu_seqlens: vec![tokens as i32; cap.prefills + 1],
-            tiles: [-1, 0].repeat(cap.tiles),
-            sample_rows: vec![0; cap.samples],
-            num_samples: samples,
-        };
-        let (mut row, mut sample) = (0, 0);
-        for (i, s) in seqs.iter().enumerate() {
-            if s.block_table.len() > width {
-                return Err(EngineError::Device(format!(
-                    "a sequence holds {} blocks, more than the graphs' {width}",
-                    s.block_table.len()
-                )));
-            }
-            let start = s.num_computed_tokens;
-            for (p, id) in (start..start + s.num_new_tokens).zip(s.new_ids()) {
-                x.ids[row] = id as i32;
-                x.positions[row] = p as i32;
-                x.slots[row] =
-                    (s.block_table[p / block_size] as usize * block_size + p % block_size) as i32;
-                row += 1;
-            }
-            if let Some(r) = s.pending_row {
-                x.draw_rows[row - 1] = r as i32;
-            }
-            if s.samples {
-                x.sample_rows[sample] = row as i32 - 1;
-                sample += 1;
-            }
-            let context = (start + s.num_new_tokens) as i32;
-            let (tables, r) = if i < decodes {
-                x.decode_context[i] = context;
-                (&mut x.decode_tables, i)
-            } else {
-                let p = i - decodes;
-                x.prefill_context[p] = context;
-                x.cu_seqlens[p] = (row - s.num_new_tokens) as i32;
-                (&mut x.prefill_tables, p)
-            };
-            for (j, &b) in s.block_table.iter().enumerate() {
-                tables[r * width + j] = b as i32;
-            }
-        }
-        let lens: Vec<(usize, usize)> = seqs[decodes..]
-            .iter()
-            .map(|s| (s.num_new_tokens, s.num_computed_tokens + s.num_new_tokens))
-            .collect();
-        for (i, tile) in prefill_tiles(&lens, tile_rows).into_iter().enumerate() {
-            x.tiles[2 * i..2 * i + 2].copy_from_slice(&tile);
-        }
-        Ok(Some(x))
-    }
-}
-
-/// Elements each input starts at a multiple of in [`Buffers`]: 512 bytes, CUDA's memory
-/// alignment in CubeCL, at which Burn's CubeCL slice is a view (elsewhere it copies; the
-/// views are taken inside the captured forward, so a copy would only cost a kernel).
-const PART_ALIGN: usize = 128;
-
-/// The stable device inputs of one graph: every input in one `i32` buffer, each at an aligned
-/// offset, in [`StepInputs::parts`] order (the inputs a decode step changes first, the block
-/// tables last). A step writes the span of the inputs that changed since the last one, in one
-/// transfer; the forward reads views of the buffer.
-struct Buffers {
-    all: Tensor<1, Int>,
-    /// Each input's range in `all`.
-    ranges: [Range<usize>; NUM_PARTS],
-    /// What `all` holds, on the host.
-    mirror: Vec<i32>,
-}
-
-impl Buffers {
-    fn new(x: &StepInputs, device: &Device) -> Self {
-        let mut end = 0;
-        let ranges = x.parts().map(|v| {
-            // An empty part (no prefill slots in a one-token graph) is never read.
-            let start = end;
-            end = (start + v.len().max(1)).next_multiple_of(PART_ALIGN);
-            start..start + v.len().max(1)
-        });
-        let mut mirror = vec![0; end];
-        for (r, v) in ranges.iter().zip(x.parts()) {
-            mirror[r.start..r.start + v.len()].copy_from_slice(v);
-        }
-        let all = Tensor::<1, Int>::from_data(
-            TensorData::new(mirror.clone(), [mirror.len()]),
-            (device, DType::I32),
-        );
-        Self {
-            all,
-            ranges,
-            mirror,
-        }
-    }
-
-    /// Rewrites the span of the inputs whose values differ from those held, in one write.
-    fn write(&mut self, x: &StepInputs) -> Result<()> {
-        let mut span: Option<Range<usize>> = None;
-        for (r, v) in self.ranges.iter().zip(x.parts()) {
-            let held = &mut self.mirror[r.start..r.start + v.len()];
-            if held != v {
-                held.copy_from_slice(v);
-                span = Some(match span {
-                    None => r.start..r.start + v.len(),
-                    Some(s) => s.start.min(r.start)..s.end.max(r.start + v.len()),
-                });
-            }
-        }
-        if let Some(span) = span {
-            write_ints(&mut self.all, span.start, &self.mirror[span])?;
-        }
-        Ok(())
-    }
-
-    /// Input `i` ([`StepInputs::parts`] order) as a view of the buffer.
-    fn part(&self, i: usize) -> Tensor<1, Int> {
-        self.all.clone().slice(self.ranges[i].clone())
-    }
-
-    /// The padded layout the forward reads, over views of the buffer.
-    fn metadata(
-        &self,
-        cap: Capacity,
-        width: usize,
-        block_size: usize,
-        tile_rows: usize,
-        max_model_len: usize,
-    ) -> AttentionMetadata {
-        let tensors = MetadataTensors {
-            slot_mapping: self.part(SLOTS),
-            positions: self.part(POSITIONS),
-            decode: (cap.decodes > 0).then(|| DecodeTensors {
-                block_tables: self.part(DECODE_TABLES).reshape([cap.decodes, width]),
-                context_lens: self.part(DECODE_CONTEXT),
-            }),
-            prefill: (cap.prefills > 0).then(|| PrefillTensors {
-                block_tables: self.part(PREFILL_TABLES).reshape([cap.prefills, width]),
-                context_lens: self.part(PREFILL_CONTEXT),
-                cu_seqlens_q: self.part(CU_SEQLENS),
-                lens: Arc::new(Vec::new()),
-                tiles: Arc::new(TileCache::fixed(
-                    tile_rows,
-                    self.part(TILES).reshape([cap.tiles, 2]),
-                )),
-            }),
-        };
-        // The positions bound the RoPE-table check: cover every future one.
-        AttentionMetadata::padded(
-            cap.tokens,
-            block_size,
-            max_model_len,
-            max_model_len - 1,
-            tensors,
-        )
-    }
-}
 
 /// How a graph's step runs.
 enum Replay {
@@ -391,7 +83,7 @@ pub(crate) struct StepGraphs {
     model: Arc<Qwen2Model>,
     cache: Arc<Mutex<KvCache>>,
     device: Device,
-    width: usize,
+    tables: BlockTables,
     block_size: usize,
     tile_rows: usize,
     max_model_len: usize,
@@ -409,6 +101,9 @@ pub struct GraphTimings {
     pub write: Duration,
     /// Launching the replay.
     pub replay: Duration,
+    /// Bytes of inputs written to the device (the small inputs' changed span and the block
+    /// tables' changed entries).
+    pub bytes_written: u64,
 }
 
 /// What capturing one graph took.
@@ -466,6 +161,10 @@ impl StepGraphs {
     ) -> Result<Self> {
         let block_size = cache.lock().expect("KV cache lock").block_size();
         let width = max_model_len.div_ceil(block_size);
+        let layout = TableLayout::new(
+            sizes.iter().max().map_or(0, |&t| t.min(max_num_seqs)),
+            width,
+        )?;
         let c = &model.config;
         let tile_rows = cubecl_kernels::prefill_tile_rows(
             device,
@@ -485,7 +184,7 @@ impl StepGraphs {
             model,
             cache,
             device: device.clone(),
-            width,
+            tables: BlockTables::new(layout, device),
             block_size,
             tile_rows,
             max_model_len,
@@ -508,16 +207,16 @@ impl StepGraphs {
         }
         for cap in caps {
             let tokens = cap.tokens;
-            let idle = StepInputs::new(&[], cap, width, block_size, tile_rows)?
+            let idle = StepInputs::new(&[], cap, &layout, block_size, tile_rows)?
                 .expect("an empty step fits");
             let buffers = Buffers::new(&idle, device);
             let replay = if emulate {
                 Replay::Eager
             } else {
-                let before = cuda_index.and_then(crate::memory::cuda_memory);
+                let before = cuda_index.and_then(crate::device_info::cuda_memory);
                 let start = Instant::now();
                 let captured = capture(device, || this.forward(&buffers, cap, draws));
-                let after = cuda_index.and_then(crate::memory::cuda_memory);
+                let after = cuda_index.and_then(crate::device_info::cuda_memory);
                 match captured {
                     Ok((graph, logits)) => {
                         this.captured.push(GraphCapture {
@@ -557,8 +256,8 @@ impl StepGraphs {
     /// The inputs' views are taken here, inside the captured run; rows with a draw row take
     /// their token from `draws` (the runner's standing buffer).
     fn forward(&self, buffers: &Buffers, cap: Capacity, draws: &Tensor<1, Int>) -> Tensor<2> {
-        let (width, bs, rows) = (self.width, self.block_size, self.tile_rows);
-        let meta = buffers.metadata(cap, width, bs, rows, self.max_model_len);
+        let (bs, rows) = (self.block_size, self.tile_rows);
+        let meta = buffers.metadata(&self.tables, cap, bs, rows, self.max_model_len);
         let ids = feed_draws(buffers.part(IDS), buffers.part(DRAW_ROWS), draws.clone());
         let mut cache = self.cache.lock().expect("KV cache lock");
         self.model.forward_model_dtype(
@@ -604,10 +303,11 @@ impl StepGraphs {
         mark: Option<&mut Option<cubecl_kernels::GpuMark>>,
     ) -> Result<Option<Tensor<2>>> {
         let start = Instant::now();
-        let (width, bs, rows) = (self.width, self.block_size, self.tile_rows);
+        let (bs, rows) = (self.block_size, self.tile_rows);
+        let layout = self.tables.layout();
         let mut found = None;
         for (i, g) in self.graphs.iter().enumerate() {
-            if let Some(x) = StepInputs::new(seqs, g.cap, width, bs, rows)? {
+            if let Some(x) = StepInputs::new(seqs, g.cap, &layout, bs, rows)? {
                 found = Some((i, x));
                 break;
             }
@@ -617,7 +317,7 @@ impl StepGraphs {
         };
         let built = Instant::now();
         let n = inputs.num_samples;
-        self.graphs[i].buffers.write(&inputs)?;
+        let bytes = self.graphs[i].buffers.write(&inputs)? + self.tables.write(&inputs)?;
         let written = Instant::now();
         if let Some(mark) = mark {
             // Behind the input write, right before the replay (or the emulated forward).
@@ -643,6 +343,7 @@ impl StepGraphs {
         t.build += built - start;
         t.write += written - built;
         t.replay += written.elapsed();
+        t.bytes_written += bytes as u64;
         Ok(Some(if n == g.cap.samples || n == 0 {
             logits
         } else {

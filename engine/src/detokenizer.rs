@@ -3,10 +3,15 @@
 //! Each new token's text is found by decoding a short window of recent tokens twice (with and
 //! without the new ones) and taking the difference, so multi-byte characters split across
 //! tokens come out whole (a window ending in U+FFFD waits for the next token). Stop strings are
-//! searched only where new text can complete one; with stop strings, the last
+//! searched only where new text can complete one, all of a request's in one pass (an
+//! Aho–Corasick automaton built once per request, so a request's cost per token follows its
+//! new text, not its number of stop strings); with stop strings, the last
 //! `longest stop − 1` characters are held back from streamed deltas until the request ends, so
 //! a client never sees the beginning of a stop string that is cut later.
 
+use std::sync::Arc;
+
+use aho_corasick::{AhoCorasick, MatchKind};
 use model_qwen2::Qwen2Tokenizer;
 
 use crate::error::Result;
@@ -24,19 +29,29 @@ pub struct Detokenizer {
     hold_back: usize,
     /// A stop string cut the text: nothing more is added.
     stopped: bool,
+    /// The request's stop strings, shortest first (at one position, the shortest wins), and
+    /// the longest one's length.
+    stops: Option<(Arc<AhoCorasick>, usize)>,
 }
 
 impl Detokenizer {
     /// A detokenizer for a request with `params`.
     pub fn new(params: &SamplingParams) -> Self {
+        let longest = params.stop.iter().map(String::len).max().unwrap_or(0);
+        let mut stops: Vec<&str> = params.stop.iter().map(String::as_str).collect();
+        stops.sort_by_key(|s| s.len());
+        let stops = (longest > 0)
+            .then(|| {
+                AhoCorasick::builder()
+                    .match_kind(MatchKind::LeftmostFirst)
+                    .build(stops)
+                    .ok()
+            })
+            .flatten()
+            .map(|a| (Arc::new(a), longest));
         Self {
-            hold_back: params
-                .stop
-                .iter()
-                .map(String::len)
-                .max()
-                .unwrap_or(1)
-                .saturating_sub(1),
+            hold_back: longest.max(1) - 1,
+            stops,
             ..Self::default()
         }
     }
@@ -106,38 +121,28 @@ impl Detokenizer {
         Ok(true)
     }
 
-    /// Cuts the text at the earliest stop string that ends in the new text.
+    /// Cuts the text at the earliest stop string that ends in the new text (the shortest of
+    /// those starting there).
     fn find_stop(&mut self, old_len: usize, params: &SamplingParams) -> bool {
-        let longest = params.stop.iter().map(String::len).max().unwrap_or(0);
-        if longest == 0 {
+        let Some((stops, longest)) = &self.stops else {
             return false;
-        }
+        };
         let mut start = old_len.saturating_sub(longest - 1);
         while !self.text.is_char_boundary(start) {
             start -= 1;
         }
-        let found = params
-            .stop
-            .iter()
-            .filter_map(|s| {
-                self.text[start..]
-                    .find(s.as_str())
-                    .map(|p| (start + p, s.len()))
-            })
-            .min();
-        match found {
-            Some((at, len)) => {
-                let end = if params.include_stop_str_in_output {
-                    at + len
-                } else {
-                    at
-                };
-                self.text.truncate(end);
-                self.sent = self.sent.min(end);
-                true
-            }
-            None => false,
-        }
+        let Some(found) = stops.find(&self.text[start..]) else {
+            return false;
+        };
+        let end = start
+            + if params.include_stop_str_in_output {
+                found.end()
+            } else {
+                found.start()
+            };
+        self.text.truncate(end);
+        self.sent = self.sent.min(end);
+        true
     }
 
     /// The text not yet handed out; while the request runs, the held-back tail stays.

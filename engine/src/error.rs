@@ -2,7 +2,7 @@
 
 use thiserror::Error;
 
-use crate::sequence::RequestId;
+use crate::request_id::RequestId;
 
 /// Everything the engine can refuse or fail on.
 #[derive(Debug, Error)]

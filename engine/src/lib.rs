@@ -11,6 +11,9 @@
 //! | [`block_manager`] | [`BlockManager`]: reference-counted KV blocks and the prefix cache |
 //! | [`scheduler`] | [`Scheduler`]: which tokens of which sequences a step computes |
 //! | [`step`] | [`StepSeq`]: one sequence's part of a step; tokens fed from the last step's draws |
+//! | `graph_inputs` | the step graphs' input buffers: what changed is written, block tables by entry |
+//! | [`device_info`] | the CUDA driver's free memory and device name |
+//! | [`memory`] | the KV pool's size: free memory less the graphs' and the warm-up's |
 //! | [`model_runner`] | [`ModelRunner`]: the flattened batch, the forward pass, step graphs |
 //! | [`sampler`] | penalties, the sampling kernel and log-probabilities |
 //! | [`structured_output`] | JSON schema, regex, choice and grammar constraints: token masks per row |
@@ -18,6 +21,7 @@
 //! | `output_processor` | stop conditions and text of drawn tokens (one step behind, when overlapped) |
 //! | `generation_config` | a checkpoint's EOS ids and recommended sampling defaults |
 //! | `warm_up` | a forward at every step size before the KV pool is sized |
+//! | `start_up` | loading, warm-up, KV-pool sizing, graph capture: what an engine starts with |
 //! | [`engine`] | [`LLMEngine`]: `add_request`, `step` (the step loop), `abort` |
 
 #![warn(missing_docs)]
@@ -26,17 +30,21 @@ pub mod block_manager;
 pub mod config;
 mod cuda_graph;
 pub mod detokenizer;
+pub mod device_info;
 pub mod engine;
 pub mod error;
 mod generation_config;
+mod graph_inputs;
 pub mod memory;
 pub mod model_runner;
 pub mod output;
 mod output_processor;
+mod request_id;
 pub mod sampler;
 pub mod sampling_params;
 pub mod scheduler;
 pub mod sequence;
+mod start_up;
 pub mod step;
 pub mod structured_output;
 mod warm_up;

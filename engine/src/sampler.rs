@@ -1,5 +1,5 @@
-//! Turning a step's logits into next tokens on the device: penalties and `min_tokens` bans as
-//! one gather/scatter over the affected logits, then the sampling kernel
+//! Turning a step's logits into next tokens on the device: penalties, `logit_bias`, and the
+//! bans of `min_tokens` and `bad_words` as one gather/scatter over the affected logits, then the sampling kernel
 //! ([`cubecl_kernels::sample`]: greedy, or a seeded min-p/top-k/top-p draw per row), and
 //! log-probabilities for the rows that ask. Only the sampled ids (and requested log-probs)
 //! come back to the host; the `[rows, V]` logits never do. The ids land in the runner's
@@ -57,7 +57,7 @@ pub struct Sampled {
 struct Adjustment {
     /// Repetition penalty factor (1 = none).
     repetition: f32,
-    /// Subtracted: `frequency · count + presence · [count > 0]`.
+    /// Subtracted: `frequency · count + presence · [count > 0] − logit_bias`.
     subtract: f32,
     /// Forced to −∞.
     banned: bool,
@@ -86,6 +86,10 @@ fn adjustments(row: &SamplerRow<'_>) -> BTreeMap<u32, Adjustment> {
             out.entry(t).or_insert(none).subtract =
                 p.frequency_penalty * c as f32 + p.presence_penalty;
         }
+    }
+    // `logit_bias`: added after the penalties (as vLLM's logits processor does).
+    for &(t, b) in &p.logit_bias {
+        out.entry(t).or_insert(none).subtract -= b;
     }
     for &t in &row.banned {
         out.entry(t).or_insert(none).banned = true;

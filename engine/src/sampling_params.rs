@@ -6,10 +6,29 @@ use crate::structured_output::StructuredOutput;
 /// Most top-`n` log-probabilities a request may ask for.
 pub const MAX_LOGPROBS: usize = 20;
 
+/// Most stop strings a request may give (OpenAI allows 4; vLLM sets no bound).
+pub const MAX_STOP_STRINGS: usize = 256;
+
+/// Most bytes a request's stop strings may hold together: their search runs on the engine
+/// thread at every token, and the longest sets how much streamed text is held back.
+pub const MAX_STOP_BYTES: usize = 16 << 10;
+
+/// Most stop token ids a request may give.
+pub const MAX_STOP_TOKEN_IDS: usize = 1024;
+
+/// Most `logit_bias` entries a request may give (OpenAI's bound).
+pub const MAX_LOGIT_BIAS: usize = 300;
+
+/// Most `bad_words` a request may give, and most tokens in all of them.
+pub const MAX_BAD_WORDS: usize = 256;
+/// Most tokens of a request's `bad_words` together.
+pub const MAX_BAD_WORD_TOKENS: usize = 4096;
+
 /// How to pick tokens and when to stop, per request.
 #[derive(Clone, Debug, PartialEq)]
 pub struct SamplingParams {
-    /// Softmax temperature; 0 means greedy (argmax).
+    /// Softmax temperature; 0 means greedy (argmax), and so does any below 1e-5 (vLLM's rule:
+    /// `cubecl_kernels::sampling::GREEDY_BELOW`).
     pub temperature: f32,
     /// Keep the smallest set of most likely tokens holding this much probability, in (0, 1].
     pub top_p: f32,
@@ -47,6 +66,14 @@ pub struct SamplingParams {
     /// Constrain the output to a JSON schema, a regular expression, a choice or a grammar
     /// (see [`crate::structured_output`]); the request ends when the constraint is complete.
     pub structured_output: Option<StructuredOutput>,
+    /// Added to these tokens' logits before sampling (OpenAI's `logit_bias`): token id and
+    /// bias in [−100, 100], at most [`MAX_LOGIT_BIAS`] of them.
+    pub logit_bias: Vec<(u32, f32)>,
+    /// Only these tokens may be drawn (vLLM's `allowed_token_ids`); `None` allows every one.
+    pub allowed_token_ids: Option<Vec<u32>>,
+    /// Token sequences never generated (vLLM's `bad_words`, as token ids): a one-token word is
+    /// never drawn, a longer one's last token not when the output ends with the rest of it.
+    pub bad_words: Vec<Vec<u32>>,
 }
 
 impl Default for SamplingParams {
@@ -69,6 +96,9 @@ impl Default for SamplingParams {
             logprobs: None,
             skip_special_tokens: true,
             structured_output: None,
+            logit_bias: Vec::new(),
+            allowed_token_ids: None,
+            bad_words: Vec::new(),
         }
     }
 }
@@ -81,6 +111,37 @@ impl SamplingParams {
             max_tokens,
             ..Self::default()
         }
+    }
+
+    /// The tokens a row may not draw next after `output` (a one-token bad word always; a longer
+    /// one's last token when `output` ends with the rest of it).
+    pub fn bad_word_bans(&self, output: &[u32]) -> Vec<u32> {
+        self.bad_words
+            .iter()
+            .filter_map(|w| {
+                let (last, rest) = w.split_last()?;
+                output.ends_with(rest).then_some(*last)
+            })
+            .collect()
+    }
+
+    /// True if the bans depend on the output so far (a bad word of several tokens).
+    pub fn bans_follow_output(&self) -> bool {
+        self.bad_words.iter().any(|w| w.len() > 1)
+    }
+
+    /// Every token id the request names (logit bias, allowed, bad words, stop ids): each must
+    /// be in the model's vocabulary.
+    pub fn token_ids(&self) -> impl Iterator<Item = (&'static str, u32)> + '_ {
+        let bias = self.logit_bias.iter().map(|&(t, _)| ("logit_bias", t));
+        let allowed = self
+            .allowed_token_ids
+            .iter()
+            .flatten()
+            .map(|&t| ("allowed_token_ids", t));
+        let bad = self.bad_words.iter().flatten().map(|&t| ("bad_words", t));
+        let stop = self.stop_token_ids.iter().map(|&t| ("stop_token_ids", t));
+        bias.chain(allowed).chain(bad).chain(stop)
     }
 
     /// Checks every field against its range; the error names the field.
@@ -126,6 +187,65 @@ impl SamplingParams {
         }
         if self.stop.iter().any(String::is_empty) {
             return Err(p("stop", "stop strings must not be empty".to_string()));
+        }
+        let stop_bytes: usize = self.stop.iter().map(String::len).sum();
+        if self.stop.len() > MAX_STOP_STRINGS || stop_bytes > MAX_STOP_BYTES {
+            return Err(p(
+                "stop",
+                format!(
+                    "{} stop strings of {stop_bytes} bytes: at most {MAX_STOP_STRINGS} strings \
+                     of {MAX_STOP_BYTES} bytes together",
+                    self.stop.len()
+                ),
+            ));
+        }
+        if self.stop_token_ids.len() > MAX_STOP_TOKEN_IDS {
+            return Err(p(
+                "stop_token_ids",
+                format!(
+                    "{} ids: at most {MAX_STOP_TOKEN_IDS}",
+                    self.stop_token_ids.len()
+                ),
+            ));
+        }
+        if self.logit_bias.len() > MAX_LOGIT_BIAS {
+            return Err(p(
+                "logit_bias",
+                format!(
+                    "{} entries: at most {MAX_LOGIT_BIAS}",
+                    self.logit_bias.len()
+                ),
+            ));
+        }
+        if let Some((t, b)) = self
+            .logit_bias
+            .iter()
+            .find(|(_, b)| !(-100.0..=100.0).contains(b))
+        {
+            return Err(p(
+                "logit_bias",
+                format!("token {t}: the bias must be in [-100, 100], got {b}"),
+            ));
+        }
+        if self.allowed_token_ids.as_ref().is_some_and(Vec::is_empty) {
+            return Err(p(
+                "allowed_token_ids",
+                "must hold at least one token".to_string(),
+            ));
+        }
+        let bad_tokens: usize = self.bad_words.iter().map(Vec::len).sum();
+        if self.bad_words.len() > MAX_BAD_WORDS || bad_tokens > MAX_BAD_WORD_TOKENS {
+            return Err(p(
+                "bad_words",
+                format!(
+                    "{} words of {bad_tokens} tokens: at most {MAX_BAD_WORDS} words of \
+                     {MAX_BAD_WORD_TOKENS} tokens together",
+                    self.bad_words.len()
+                ),
+            ));
+        }
+        if self.bad_words.iter().any(Vec::is_empty) {
+            return Err(p("bad_words", "a bad word must not be empty".to_string()));
         }
         if let Some(n) = self.logprobs
             && n > MAX_LOGPROBS

@@ -4,10 +4,8 @@
 use std::sync::Arc;
 use std::time::Instant;
 
+pub use crate::request_id::RequestId;
 use crate::sampling_params::SamplingParams;
-
-/// The engine's handle of a request.
-pub type RequestId = u64;
 
 /// Where a sequence is in its life.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]

@@ -20,8 +20,29 @@ use toktrie_hf_tokenizers::ByteTokenizer;
 
 use crate::error::{EngineError, Result};
 
-/// Most compiled grammars kept for reuse; past it the cache starts over.
+/// Most compiled grammars kept for reuse; past it the least recently used goes.
 const MAX_CACHED_GRAMMARS: usize = 256;
+
+/// llguidance's bounds on one grammar, set explicitly (its defaults but for the grammar size,
+/// a fifth of it): the work a hostile grammar can make a compile or a mask step do is bounded
+/// by these, whatever the wall clock says. Speeds are llguidance's figures.
+fn parser_limits() -> llguidance::api::ParserLimits {
+    llguidance::api::ParserLimits {
+        // Earley items in one row (the grammar's branching).
+        max_items_in_row: 2_000,
+        // Lexer regex construction at compile time: ~20 ms at 50k/ms.
+        initial_lexer_fuel: 1_000_000,
+        // Lexer work of one token mask: ~15 ms at 14k/ms.
+        step_lexer_fuel: 200_000,
+        // Earley items of one token mask: ~2.5 ms at 20k/ms.
+        step_max_items: 50_000,
+        // Lexer states (1–2 kB each): at most a few hundred MB.
+        max_lexer_states: 250_000,
+        // Symbols in productions: about a megabyte of JSON schema.
+        max_grammar_size: 100_000,
+        ..Default::default()
+    }
+}
 
 /// llguidance's JSON options for schemas that set none (`"x-guidance"`): JSON written as
 /// Python's `json.dumps` writes it (`{"a": 1, "b": [2, 3]}`), no free whitespace. Free
@@ -126,7 +147,40 @@ impl StructuredOutput {
 pub struct GrammarCompiler {
     factory: ParserFactory,
     vocab_size: usize,
-    cache: Mutex<HashMap<String, Matcher>>,
+    cache: Mutex<GrammarCache>,
+}
+
+/// Compiled grammars by their text, least recently used evicted first.
+#[derive(Default)]
+struct GrammarCache {
+    entries: HashMap<String, (Matcher, u64)>,
+    clock: u64,
+}
+
+impl GrammarCache {
+    /// A fresh copy of the matcher of `key`, marked used.
+    fn get(&mut self, key: &str) -> Option<Matcher> {
+        self.clock += 1;
+        let (m, used) = self.entries.get_mut(key)?;
+        *used = self.clock;
+        Some(m.deep_clone())
+    }
+
+    /// Keeps `m` under `key`, evicting the least recently used entry when full.
+    fn insert(&mut self, key: String, m: Matcher) {
+        self.clock += 1;
+        if self.entries.len() >= MAX_CACHED_GRAMMARS
+            && !self.entries.contains_key(&key)
+            && let Some(oldest) = self
+                .entries
+                .iter()
+                .min_by_key(|(_, (_, used))| *used)
+                .map(|(k, _)| k.clone())
+        {
+            self.entries.remove(&oldest);
+        }
+        self.entries.insert(key, (m, self.clock));
+    }
 }
 
 impl GrammarCompiler {
@@ -149,10 +203,11 @@ impl GrammarCompiler {
             .map_err(|e| failed(e.to_string()))?;
         let mut factory = ParserFactory::new_simple(&env).map_err(|e| failed(e.to_string()))?;
         factory.quiet();
+        *factory.limits_mut() = parser_limits();
         Ok(Self {
             factory,
             vocab_size,
-            cache: Mutex::new(HashMap::new()),
+            cache: Mutex::new(GrammarCache::default()),
         })
     }
 
@@ -161,22 +216,29 @@ impl GrammarCompiler {
         self.vocab_size
     }
 
+    /// The id of `text` when the tokenizer has it as a special token (an added token such as
+    /// Qwen's `<tool_call>`): a grammar must then name it as a token (`<tool_call>` in Lark,
+    /// unquoted), since a quoted string matches text bytes, which a special token never
+    /// spells.
+    pub fn special_token(&self, text: &str) -> Option<u32> {
+        self.factory.tok_env().tok_trie().get_special_token(text)
+    }
+
     /// A fresh matcher of `constraint`; an invalid schema, regex or grammar is an
     /// [`EngineError::InvalidParam`] (field `structured_output`) saying what is wrong.
     pub fn compile(&self, constraint: &StructuredOutput) -> Result<GrammarMatcher> {
         let (grammar, key) = constraint.grammar()?;
         if let Some(m) = self.cache.lock().expect("grammar cache").get(&key) {
-            return Ok(GrammarMatcher::new(m.deep_clone()));
+            return Ok(GrammarMatcher::new(m));
         }
         let matcher = Matcher::new(self.factory.create_parser(grammar));
         if let Some(e) = matcher.get_error() {
             return Err(constraint.invalid(e));
         }
-        let mut cache = self.cache.lock().expect("grammar cache");
-        if cache.len() >= MAX_CACHED_GRAMMARS {
-            cache.clear();
-        }
-        cache.insert(key, matcher.deep_clone());
+        self.cache
+            .lock()
+            .expect("grammar cache")
+            .insert(key, matcher.deep_clone());
         Ok(GrammarMatcher::new(matcher))
     }
 }

@@ -15,7 +15,7 @@ use std::sync::mpsc;
 use std::time::Instant;
 
 use axum::http::StatusCode;
-use engine::{EngineError, LLMEngine, RequestId, RequestOutput, SamplingParams};
+use engine::{EngineError, GrammarMatcher, LLMEngine, RequestId, RequestOutput, SamplingParams};
 use model_qwen2::Qwen2Tokenizer;
 use tokio::sync::{mpsc as tmpsc, oneshot, watch};
 
@@ -36,18 +36,39 @@ enum Command {
     Add {
         prompt: Vec<u32>,
         params: Box<SamplingParams>,
+        matcher: Option<GrammarMatcher>,
         events: tmpsc::UnboundedSender<Event>,
         accepted: oneshot::Sender<Result<RequestId, EngineError>>,
     },
     AbortAll,
 }
 
+/// A place among the server's `max_pending` requests ([`EngineHandle::reserve`]).
+pub struct Place {
+    in_flight: Arc<AtomicUsize>,
+    /// Still this handle's to free (not yet taken by the engine thread).
+    held: bool,
+}
+
+impl Drop for Place {
+    fn drop(&mut self) {
+        if self.held {
+            self.in_flight.fetch_sub(1, Ordering::AcqRel);
+        }
+    }
+}
+
 /// What handlers need to know of the model, read once when the engine starts.
 #[derive(Clone)]
 pub struct ModelInfo {
+    /// The model's tokenizer (`None`: token-id prompts only).
     pub tokenizer: Option<Arc<Qwen2Tokenizer>>,
+    /// Sampling defaults from `generation_config.json`.
     pub defaults: SamplingParams,
+    /// Longest prompt + output.
     pub max_model_len: usize,
+    /// The model's (logits') vocabulary.
+    pub vocab_size: usize,
     /// Structured outputs' compiler (`None` without a tokenizer).
     pub grammars: Option<Arc<engine::GrammarCompiler>>,
 }
@@ -98,6 +119,7 @@ impl EngineHandle {
                     tokenizer: engine.tokenizer().cloned(),
                     defaults: engine.default_sampling_params(),
                     max_model_len: engine.limits().max_model_len,
+                    vocab_size: engine.model_config().vocab_size,
                     grammars: engine.grammar_compiler().ok(),
                 };
                 if ready_tx.send(Ok(info)).is_ok() {
@@ -154,14 +176,10 @@ impl EngineHandle {
         ApiError::new(StatusCode::SERVICE_UNAVAILABLE, message)
     }
 
-    /// Queues a request; its outputs come on the returned channel (drop it to abort). Fails
-    /// with 503 when the queue is full or the engine is gone, 400 when the engine refuses the
-    /// request (the error names the field).
-    pub async fn submit(
-        &self,
-        prompt: Vec<u32>,
-        params: SamplingParams,
-    ) -> Result<(RequestId, tmpsc::UnboundedReceiver<Event>), ApiError> {
+    /// Takes a place among the `max_pending` requests, before a request's costly work (its
+    /// grammar compile, its tokenization), so that work too is bounded by `max_pending`; fails
+    /// with 503 (and `Retry-After`) when none is free. Dropped unused, the place is freed.
+    pub fn reserve(&self) -> Result<Place, ApiError> {
         if self.in_flight.fetch_add(1, Ordering::AcqRel) >= self.max_pending {
             self.in_flight.fetch_sub(1, Ordering::AcqRel);
             self.metrics.requests_rejected.inc();
@@ -176,26 +194,42 @@ impl EngineHandle {
                 )
             });
         }
+        Ok(Place {
+            in_flight: self.in_flight.clone(),
+            held: true,
+        })
+    }
+
+    /// Queues a request in `place`; its outputs come on the returned channel (drop it to
+    /// abort). `matcher` is its constraint compiled off the engine thread (none: the engine
+    /// compiles it). Fails with 503 when the engine is gone, 400 when the engine refuses the
+    /// request (the error names the field).
+    pub async fn submit(
+        &self,
+        mut place: Place,
+        prompt: Vec<u32>,
+        params: SamplingParams,
+        matcher: Option<GrammarMatcher>,
+    ) -> Result<(RequestId, tmpsc::UnboundedReceiver<Event>), ApiError> {
         let (events, rx) = tmpsc::unbounded_channel();
         let (accepted, accepted_rx) = oneshot::channel();
         let sent = self.commands.send(Command::Add {
             prompt,
             params: Box::new(params),
+            matcher,
             events,
             accepted,
         });
         if sent.is_err() {
-            self.in_flight.fetch_sub(1, Ordering::AcqRel);
             return Err(self.gone());
         }
-        match accepted_rx.await {
-            Ok(Ok(id)) => Ok((id, rx)),
-            Ok(Err(e)) => Err(e.into()),
-            // The thread ended before taking the command: nobody else frees its place.
-            Err(_) => {
-                self.in_flight.fetch_sub(1, Ordering::AcqRel);
-                Err(self.gone())
-            }
+        // The thread ended before taking the command: the place is freed here, on drop.
+        let accepted = accepted_rx.await.map_err(|_| self.gone())?;
+        // Taken: the engine thread frees the place (refused at once, or once it finishes).
+        place.held = false;
+        match accepted {
+            Ok(id) => Ok((id, rx)),
+            Err(e) => Err(e.into()),
         }
     }
 
@@ -282,9 +316,10 @@ impl EngineThread {
             Command::Add {
                 prompt,
                 params,
+                matcher,
                 events,
                 accepted,
-            } => match engine.add_request(prompt, *params) {
+            } => match engine.add_compiled_request(prompt, *params, matcher) {
                 Ok(id) => {
                     self.requests.insert(
                         id,

@@ -1,13 +1,19 @@
 //! The OpenAI-compatible HTTP server (axum + tokio): `POST /v1/completions`,
-//! `POST /v1/chat/completions` (JSON, or server-sent events with `stream: true`),
-//! `GET /v1/models`, `GET /health`, `GET /metrics` (Prometheus). The engine runs on its own
+//! `POST /v1/chat/completions`, `POST /v1/responses` (JSON, or server-sent events with
+//! `stream: true`), `GET /v1/models`, vLLM's `POST /tokenize` and `POST /detokenize`,
+//! `GET /health`, `GET /metrics` (Prometheus). The engine runs on its own
 //! thread ([`EngineHandle`]); handlers talk to it through channels.
 
+mod admission;
+mod constraints;
 mod engine_loop;
 mod error;
+mod grammar_pool;
 mod metrics;
 mod protocol;
+mod responses;
 mod routes;
+mod token_routes;
 mod tokenize;
 mod tool_calls;
 
@@ -21,7 +27,7 @@ use axum::routing::{get, post};
 use engine::LLMEngine;
 use tokio::net::TcpListener;
 
-pub use engine_loop::{EngineHandle, Event};
+pub use engine_loop::{EngineHandle, Event, ModelInfo, Place};
 pub use metrics::Metrics;
 
 use crate::error::LlmError;
@@ -47,6 +53,11 @@ pub struct ServerConfig {
     /// Long prompts tokenized at once, on tokio's blocking pool (short ones are tokenized
     /// inline).
     pub tokenizer_threads: usize,
+    /// Constraints (`response_format`, `structured_outputs`, `tools`) compiled at once, on
+    /// tokio's blocking pool; the others wait (holding their place among `max_pending`).
+    pub grammar_threads: usize,
+    /// Longest a constraint's compile may take before its request is refused (400).
+    pub grammar_timeout: Duration,
 }
 
 impl Default for ServerConfig {
@@ -60,6 +71,9 @@ impl Default for ServerConfig {
             failure_grace: Duration::from_secs(2),
             tokenizer_threads: std::thread::available_parallelism()
                 .map_or(1, |n| (n.get() / 2).max(1)),
+            grammar_threads: std::thread::available_parallelism()
+                .map_or(1, |n| (n.get() / 2).max(1)),
+            grammar_timeout: Duration::from_secs(10),
         }
     }
 }
@@ -85,8 +99,14 @@ impl Server {
             engine.info.max_model_len,
             config.tokenizer_threads,
         );
+        let grammars = grammar_pool::GrammarPool::new(
+            engine.info.grammars.clone(),
+            config.grammar_threads,
+            config.grammar_timeout,
+        );
         let state = Arc::new(AppState {
             tokenizer,
+            grammars,
             engine,
             model_name: config.model_name.clone(),
             api_key: config.api_key.clone(),
@@ -97,12 +117,22 @@ impl Server {
             .route("/completions", post(routes::completions))
             .route("/chat/completions", post(routes::chat_completions))
             .route("/models", get(routes::models))
+            .route("/responses", post(responses::responses))
+            .route_layer(axum::middleware::from_fn_with_state(
+                state.clone(),
+                routes::require_key,
+            ));
+        // vLLM's token routes, at the root as there, behind the same key.
+        let tokens = Router::new()
+            .route("/tokenize", post(token_routes::tokenize_route))
+            .route("/detokenize", post(token_routes::detokenize))
             .route_layer(axum::middleware::from_fn_with_state(
                 state.clone(),
                 routes::require_key,
             ));
         let router = Router::new()
             .nest("/v1", v1)
+            .merge(tokens)
             .route("/health", get(routes::health))
             .route("/metrics", get(routes::metrics))
             .layer(DefaultBodyLimit::max(config.max_body_bytes))
@@ -112,6 +142,11 @@ impl Server {
             state,
             config,
         })
+    }
+
+    /// What the handlers know of the served model (its tokenizer, defaults, `max_model_len`).
+    pub fn model_info(&self) -> &engine_loop::ModelInfo {
+        &self.state.engine.info
     }
 
     /// Serves on `listener` until `shutdown` resolves; then stops accepting, lets in-flight

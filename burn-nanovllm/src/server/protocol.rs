@@ -1,14 +1,16 @@
 //! The OpenAI request bodies of `/v1/completions` and `/v1/chat/completions` (one struct: the
 //! two share every sampling field), their checks, and their mapping to `SamplingParams`;
-//! structured outputs (`response_format`, vLLM's `structured_outputs` and its older
-//! `guided_*` fields) and tools (`tools`, `tool_choice`) to a [`StructuredOutput`].
+//! the constraint they carry is `constraints.rs`'s.
 
-use engine::{SamplingParams, StructuredOutput};
+use engine::SamplingParams;
 use model_qwen2::ChatMessage;
 use serde::Deserialize;
 use serde_json::{Value, json};
 
 use super::error::ApiError;
+
+/// Most completions one request may ask for (`n`).
+pub const MAX_N: u32 = 64;
 
 /// A completion or chat-completion request: OpenAI's fields and vLLM's extras.
 #[derive(Debug, Default, Deserialize)]
@@ -35,7 +37,10 @@ pub struct OpenAiRequest {
     pub logprobs: Option<serde_json::Value>,
     /// Chat: the number of top log-probabilities per token (0–20).
     pub top_logprobs: Option<u32>,
+    /// Completions of the prompt (parallel sampling: the prompt is computed once).
     pub n: Option<u32>,
+    /// OpenAI's candidates to rank; accepted only equal to `n`.
+    pub best_of: Option<u32>,
     pub stream: Option<bool>,
     pub stream_options: Option<StreamOptions>,
     pub min_tokens: Option<usize>,
@@ -57,6 +62,35 @@ pub struct OpenAiRequest {
     /// Chat: `none`, `auto` (the default with tools), `required`, or
     /// `{"type": "function", "function": {"name": …}}`.
     pub tool_choice: Option<Value>,
+    /// OpenAI: token id (as a string) → bias in [−100, 100], added to its logit.
+    pub logit_bias: Option<std::collections::HashMap<String, f32>>,
+    /// vLLM: only these tokens may be drawn.
+    pub allowed_token_ids: Option<Vec<u32>>,
+    /// vLLM: words never generated (tokenized with and without a leading space).
+    pub bad_words: Option<Vec<String>>,
+    /// Fields this server does not know: ignored, each name logged once (as vLLM does).
+    #[serde(flatten)]
+    pub unknown: std::collections::BTreeMap<String, Value>,
+}
+
+/// Logs (once per name, for the server's life) the fields of a request that are ignored.
+pub fn log_unknown_fields(fields: &std::collections::BTreeMap<String, Value>) {
+    use std::collections::HashSet;
+    use std::sync::{Mutex, OnceLock};
+    static SEEN: OnceLock<Mutex<HashSet<String>>> = OnceLock::new();
+    if fields.is_empty() {
+        return;
+    }
+    let mut seen = SEEN
+        .get_or_init(Default::default)
+        .lock()
+        .unwrap_or_else(|e| e.into_inner());
+    for name in fields.keys() {
+        // Bounded: a client sending endless new names gets the first thousand logged.
+        if seen.len() < 1000 && seen.insert(name.clone()) {
+            eprintln!("warning: the request field `{name}` is not supported and is ignored");
+        }
+    }
 }
 
 /// `response_format`.
@@ -177,6 +211,20 @@ pub struct ContentPart {
     pub text: Option<String>,
 }
 
+/// Parses a JSON body; a syntax or type error names the field (`max_tokens: invalid type …`).
+pub fn parse_body<T: serde::de::DeserializeOwned>(body: &[u8]) -> Result<T, ApiError> {
+    let de = &mut serde_json::Deserializer::from_slice(body);
+    serde_path_to_error::deserialize(de).map_err(|e| {
+        let path = e.path().to_string();
+        let param = (path != "." && path != "?").then(|| path.clone());
+        let message = match &param {
+            Some(p) => format!("{p}: {}", e.inner()),
+            None => format!("invalid JSON body: {}", e.inner()),
+        };
+        ApiError::bad_request(message, param)
+    })
+}
+
 /// Which endpoint a request came through.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Endpoint {
@@ -194,16 +242,7 @@ pub enum PromptSpec {
 impl OpenAiRequest {
     /// Parses a body; a syntax or type error names the field (`max_tokens: invalid type …`).
     pub fn parse(body: &[u8]) -> Result<Self, ApiError> {
-        let de = &mut serde_json::Deserializer::from_slice(body);
-        serde_path_to_error::deserialize(de).map_err(|e| {
-            let path = e.path().to_string();
-            let param = (path != "." && path != "?").then(|| path.clone());
-            let message = match &param {
-                Some(p) => format!("{p}: {}", e.inner()),
-                None => format!("invalid JSON body: {}", e.inner()),
-            };
-            ApiError::bad_request(message, param)
-        })
+        parse_body(body)
     }
 
     /// Streaming, and whether the stream ends with a usage chunk.
@@ -306,10 +345,18 @@ impl OpenAiRequest {
         defaults: &SamplingParams,
     ) -> Result<(SamplingParams, Option<usize>), ApiError> {
         let bad = |m: String, p: &str| ApiError::bad_request(m, Some(p.to_string()));
-        if let Some(n) = self.n
-            && n != 1
+        let n = self.n.unwrap_or(1);
+        if !(1..=MAX_N).contains(&n) {
+            return Err(bad(format!("n must be in 1..={MAX_N}, got {n}"), "n"));
+        }
+        // vLLM's V1 engine: `best_of` only as `n` (one candidate per completion returned).
+        if let Some(b) = self.best_of
+            && b != n
         {
-            return Err(bad(format!("only n = 1 is supported, got {n}"), "n"));
+            return Err(bad(
+                format!("best_of must equal n ({n}), got {b}: best-of ranking is not supported"),
+                "best_of",
+            ));
         }
         if self.echo == Some(true) {
             return Err(bad("echo is not supported".into(), "echo"));
@@ -358,7 +405,8 @@ impl OpenAiRequest {
                     "top_k",
                 ));
             }
-            Some(k) => k.max(0) as u32,
+            // Any k at or above the vocabulary keeps every token: wider than u32 is the same.
+            Some(k) => k.clamp(0, u32::MAX as i64) as u32,
             None => defaults.top_k,
         };
         let p = SamplingParams {
@@ -372,7 +420,9 @@ impl OpenAiRequest {
             presence_penalty: self.presence_penalty.unwrap_or(defaults.presence_penalty),
             frequency_penalty: self.frequency_penalty.unwrap_or(defaults.frequency_penalty),
             seed: self.seed,
-            max_tokens: max_tokens.unwrap_or(1),
+            // Unset on chat: the rest of the context, filled in once the prompt is tokenized
+            // (the engine checks `min_tokens` against it then).
+            max_tokens: max_tokens.unwrap_or(usize::MAX),
             min_tokens: self.min_tokens.unwrap_or(0),
             stop: match &self.stop {
                 None => Vec::new(),
@@ -385,226 +435,30 @@ impl OpenAiRequest {
             logprobs,
             skip_special_tokens: self.skip_special_tokens.unwrap_or(true),
             structured_output: None,
+            logit_bias: self.logit_bias()?,
+            allowed_token_ids: self.allowed_token_ids.clone(),
+            // Tokenized once the tokenizer is at hand (`bad_words`).
+            bad_words: Vec::new(),
         };
         p.validate().map_err(ApiError::from)?;
         Ok((p, max_tokens))
     }
 }
 
-/// The functions' JSON schema of a tool call in Qwen's format: `{"name": …, "arguments": …}`.
-fn tool_call_schema(tools: &[&ToolIn]) -> Value {
-    let calls: Vec<Value> = tools
-        .iter()
-        .map(|t| {
-            json!({
-                "type": "object",
-                "properties": {
-                    "name": {"const": t.function.name},
-                    "arguments": t.function.parameters.clone().unwrap_or(json!({"type": "object"})),
-                },
-                "required": ["name", "arguments"],
-                "additionalProperties": false,
-            })
-        })
-        .collect();
-    engine::structured_output::with_json_defaults(match calls.len() {
-        1 => calls.into_iter().next().expect("one call"),
-        _ => json!({"anyOf": calls}),
-    })
-}
-
-/// A Lark grammar of `<tool_call>` blocks (Qwen's chat format), each holding one call of
-/// `tools`: one block, or with `many` one or more.
-fn tool_call_grammar(tools: &[&ToolIn], many: bool) -> String {
-    let schema = tool_call_schema(tools);
-    let repeat = if many { " (\"\\n\" call)*" } else { "" };
-    format!("start: call{repeat}\ncall: \"<tool_call>\\n\" %json {schema} \"\\n</tool_call>\"\n")
-}
-
 impl OpenAiRequest {
-    /// The request's structured-output constraint and the field it came from, and what to do
-    /// with tool calls; at most one source of constraint per request.
-    pub fn structured_output(
-        &self,
-        endpoint: Endpoint,
-    ) -> Result<(Option<(StructuredOutput, String)>, ToolMode), ApiError> {
-        let bad = |m: String, p: &str| ApiError::bad_request(m, Some(p.to_string()));
-        let mut found: Vec<(StructuredOutput, String)> = Vec::new();
-        match &self.response_format {
-            None | Some(ResponseFormat::Text) => {}
-            Some(ResponseFormat::JsonObject) => {
-                found.push((StructuredOutput::JsonObject, "response_format".into()))
-            }
-            Some(ResponseFormat::JsonSchema { json_schema }) => {
-                let schema = json_schema
-                    .schema
-                    .clone()
-                    .unwrap_or(json!({"type": "object"}));
-                found.push((
-                    StructuredOutput::JsonSchema(schema),
-                    "response_format.json_schema.schema".into(),
-                ));
-            }
+    /// `logit_bias` as (token, bias): keys must be token ids.
+    fn logit_bias(&self) -> Result<Vec<(u32, f32)>, ApiError> {
+        let mut out: Vec<(u32, f32)> = Vec::new();
+        for (k, &b) in self.logit_bias.iter().flatten() {
+            let t = k.trim().parse::<u32>().map_err(|_| {
+                ApiError::bad_request(
+                    format!("logit_bias keys are token ids, got `{k}`"),
+                    Some("logit_bias".into()),
+                )
+            })?;
+            out.push((t, b));
         }
-        let schema_of = |v: &Value, field: &str| match v {
-            Value::String(text) => serde_json::from_str(text)
-                .map_err(|e| bad(format!("{field}: the JSON schema is not JSON: {e}"), field)),
-            v => Ok(v.clone()),
-        };
-        if let Some(so) = &self.structured_outputs {
-            if let Some(v) = &so.json {
-                let field = "structured_outputs.json";
-                found.push((
-                    StructuredOutput::JsonSchema(schema_of(v, field)?),
-                    field.into(),
-                ));
-            }
-            if let Some(rx) = &so.regex {
-                found.push((
-                    StructuredOutput::Regex(rx.clone()),
-                    "structured_outputs.regex".into(),
-                ));
-            }
-            if let Some(c) = &so.choice {
-                found.push((
-                    StructuredOutput::Choice(c.clone()),
-                    "structured_outputs.choice".into(),
-                ));
-            }
-            if let Some(g) = &so.grammar {
-                found.push((
-                    StructuredOutput::Grammar(g.clone()),
-                    "structured_outputs.grammar".into(),
-                ));
-            }
-            if so.json_object == Some(true) {
-                found.push((
-                    StructuredOutput::JsonObject,
-                    "structured_outputs.json_object".into(),
-                ));
-            }
-        }
-        if let Some(v) = &self.guided_json {
-            found.push((
-                StructuredOutput::JsonSchema(schema_of(v, "guided_json")?),
-                "guided_json".into(),
-            ));
-        }
-        if let Some(rx) = &self.guided_regex {
-            found.push((StructuredOutput::Regex(rx.clone()), "guided_regex".into()));
-        }
-        if let Some(c) = &self.guided_choice {
-            found.push((StructuredOutput::Choice(c.clone()), "guided_choice".into()));
-        }
-        if let Some(g) = &self.guided_grammar {
-            found.push((
-                StructuredOutput::Grammar(g.clone()),
-                "guided_grammar".into(),
-            ));
-        }
-        let (tool_constraint, mode) = self.tool_constraint(endpoint)?;
-        found.extend(tool_constraint);
-        if found.len() > 1 {
-            let fields: Vec<&str> = found.iter().map(|(_, f)| f.as_str()).collect();
-            return Err(bad(
-                format!(
-                    "at most one structured-output constraint per request, got {}",
-                    fields.join(", ")
-                ),
-                &found[1].1,
-            ));
-        }
-        Ok((found.pop(), mode))
-    }
-
-    /// The constraint `tool_choice` implies (`required`, a named function) and the tool mode.
-    fn tool_constraint(
-        &self,
-        endpoint: Endpoint,
-    ) -> Result<(Option<(StructuredOutput, String)>, ToolMode), ApiError> {
-        let bad = |m: String, p: &str| ApiError::bad_request(m, Some(p.to_string()));
-        let tools = self.tools.as_deref().unwrap_or_default();
-        if endpoint == Endpoint::Completions && (!tools.is_empty() || self.tool_choice.is_some()) {
-            return Err(bad("tools are for /v1/chat/completions".into(), "tools"));
-        }
-        for (i, t) in tools.iter().enumerate() {
-            if t.kind != "function" {
-                return Err(bad(
-                    format!("unsupported tool type `{}`: only `function`", t.kind),
-                    &format!("tools[{i}].type"),
-                ));
-            }
-            if let Some(p) = &t.function.parameters
-                && !p.is_object()
-            {
-                return Err(bad(
-                    "parameters must be a JSON schema object".into(),
-                    &format!("tools[{i}].function.parameters"),
-                ));
-            }
-        }
-        let choice = self.tool_choice.clone().unwrap_or(match tools.is_empty() {
-            true => json!("none"),
-            false => json!("auto"),
-        });
-        let needs_tools = |what: &str| {
-            Err(bad(
-                format!("tool_choice `{what}` needs a non-empty `tools`"),
-                "tool_choice",
-            ))
-        };
-        match &choice {
-            Value::String(c) if c == "none" => Ok((None, ToolMode::Off)),
-            Value::String(c) if c == "auto" => match tools.is_empty() {
-                true => needs_tools("auto"),
-                false => Ok((None, ToolMode::Parse)),
-            },
-            Value::String(c) if c == "required" => match tools.is_empty() {
-                true => needs_tools("required"),
-                false => {
-                    let all: Vec<&ToolIn> = tools.iter().collect();
-                    let grammar = StructuredOutput::Grammar(tool_call_grammar(&all, true));
-                    Ok((Some((grammar, "tools".into())), ToolMode::Parse))
-                }
-            },
-            Value::Object(o) => {
-                let name = o
-                    .get("function")
-                    .and_then(|f| f.get("name"))
-                    .and_then(Value::as_str)
-                    .ok_or_else(|| {
-                        bad(
-                            "a named tool_choice is {\"type\": \"function\", \"function\": {\"name\": …}}"
-                                .into(),
-                            "tool_choice",
-                        )
-                    })?;
-                let tool = tools
-                    .iter()
-                    .find(|t| t.function.name == name)
-                    .ok_or_else(|| {
-                        bad(
-                            format!("tool_choice names `{name}`, which is not in tools"),
-                            "tool_choice",
-                        )
-                    })?;
-                let grammar = StructuredOutput::Grammar(tool_call_grammar(&[tool], false));
-                Ok((Some((grammar, "tools".into())), ToolMode::Parse))
-            }
-            other => Err(bad(
-                format!(
-                    "tool_choice must be none, auto, required or a named function, got {other}"
-                ),
-                "tool_choice",
-            )),
-        }
-    }
-
-    /// The tools as the chat template takes them (`None` without tools).
-    pub fn template_tools(&self) -> Option<Value> {
-        self.tools
-            .as_ref()
-            .filter(|t| !t.is_empty())
-            .map(|t| serde_json::to_value(t).expect("tools serialize"))
+        out.sort_by_key(|&(t, _)| t);
+        Ok(out)
     }
 }

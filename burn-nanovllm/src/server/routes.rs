@@ -15,13 +15,16 @@ use axum::response::{IntoResponse, Response};
 use engine::{FinishReason, TokenLogprobs};
 use prometheus_client::registry::Registry;
 use serde_json::{Value, json};
+use subtle::ConstantTimeEq;
 use tokio::sync::mpsc as tmpsc;
 use tokio_stream::wrappers::UnboundedReceiverStream;
 
+use super::admission::admit;
 use super::engine_loop::{EngineHandle, Event};
 use super::error::ApiError;
+use super::grammar_pool::GrammarPool;
 use super::metrics::render;
-use super::protocol::{Endpoint, OpenAiRequest, PromptSpec, ToolMode};
+use super::protocol::{Endpoint, OpenAiRequest, ToolMode};
 use super::tokenize::{PromptTokenizer, release_free_memory};
 use super::tool_calls::{ToolCall, ToolCallStream, parse_tool_calls};
 
@@ -32,6 +35,7 @@ const RELEASE_AFTER_BYTES: usize = 1 << 20;
 pub struct AppState {
     pub engine: EngineHandle,
     pub tokenizer: PromptTokenizer,
+    pub grammars: GrammarPool,
     pub model_name: String,
     pub api_key: Option<String>,
     pub registry: Registry,
@@ -55,7 +59,9 @@ pub async fn require_key(State(s): State<Shared>, req: Request, next: Next) -> R
             .get(header::AUTHORIZATION)
             .and_then(|v| v.to_str().ok())
             .and_then(|v| v.strip_prefix("Bearer "));
-        if given != Some(key.as_str()) {
+        // Constant time over the key's bytes: the comparison says nothing of how much matched.
+        let matches = given.is_some_and(|g| bool::from(g.as_bytes().ct_eq(key.as_bytes())));
+        if !matches {
             let msg = match given {
                 None => "missing API key: send `Authorization: Bearer <key>`",
                 Some(_) => "invalid API key",
@@ -129,122 +135,25 @@ async fn run(
 ) -> Result<Response, ApiError> {
     let body = body.map_err(|e| ApiError::new(e.status(), e.body_text()))?;
     let req = OpenAiRequest::parse(&body)?;
-    if let Some(model) = &req.model
-        && model != &s.model_name
-    {
-        return Err(ApiError {
-            param: Some("model".into()),
-            ..ApiError::new(
-                StatusCode::NOT_FOUND,
-                format!(
-                    "the model `{model}` does not exist: this server serves `{}`",
-                    s.model_name
-                ),
-            )
-        });
-    }
-    let info = &s.engine.info;
-    let (mut params, max_tokens) = req.sampling_params(endpoint, &info.defaults)?;
     let (stream, usage) = req.streaming();
-    let (constraint, tool_mode) = req.structured_output(endpoint)?;
-    if let Some((constraint, field)) = constraint {
-        check_constraint(&s, &constraint, field).await?;
-        params.structured_output = Some(constraint);
-    }
-    let prompt = req.prompt(endpoint)?;
-    let tools = req.template_tools();
-    drop(req);
-    let prompt = tokenize(prompt, tools, &s).await?;
-    let max_model_len = info.max_model_len;
-    match max_tokens {
-        None => params.max_tokens = max_model_len.saturating_sub(prompt.len()).max(1),
-        // vLLM's answer: the prompt and the completion must fit in the context (a prompt that
-        // alone does not is refused by the engine, naming `prompt`).
-        Some(m)
-            if prompt.len() < max_model_len && prompt.len().saturating_add(m) > max_model_len =>
-        {
-            return Err(ApiError::bad_request(
-                format!(
-                    "this model's maximum context length is {max_model_len} tokens, but {} were \
-                     requested ({} in the prompt, {m} in the completion): reduce the prompt or \
-                     max_tokens",
-                    prompt.len().saturating_add(m),
-                    prompt.len()
-                ),
-                Some("max_tokens".into()),
-            ));
-        }
-        Some(_) => {}
-    }
-    let num_prompt = prompt.len();
-    let (id, rx) = s.engine.submit(prompt, params).await?;
+    let admitted = admit(&s, endpoint, req).await?;
     let reply = Reply {
         endpoint,
         id: match endpoint {
-            Endpoint::Completions => format!("cmpl-{id}"),
-            Endpoint::ChatCompletions => format!("chatcmpl-{id}"),
+            Endpoint::Completions => format!("cmpl-{}", admitted.id),
+            Endpoint::ChatCompletions => format!("chatcmpl-{}", admitted.id),
         },
         created: unix_now(),
         model: s.model_name.clone(),
         state: s.clone(),
-        num_prompt,
-        tool_mode,
+        num_prompt: admitted.num_prompt,
+        tool_mode: admitted.tool_mode,
+        n: admitted.n,
     };
     if stream {
-        Ok(reply.stream(rx, usage))
+        Ok(reply.stream(admitted.events, usage))
     } else {
-        reply.collect(rx).await
-    }
-}
-
-/// Compiles a request's constraint off the async workers (the engine's own compile is then a
-/// cache hit): an invalid schema, regex or grammar is a 400 naming `field`.
-async fn check_constraint(
-    s: &AppState,
-    constraint: &engine::StructuredOutput,
-    field: String,
-) -> Result<(), ApiError> {
-    let compiler = s.engine.info.grammars.clone().ok_or_else(|| {
-        ApiError::bad_request(
-            "structured outputs need the model's tokenizer.json, which this model lacks".into(),
-            Some(field.clone()),
-        )
-    })?;
-    let constraint = constraint.clone();
-    let compiled = tokio::task::spawn_blocking(move || compiler.compile(&constraint).map(drop))
-        .await
-        .map_err(|e| {
-            ApiError::new(
-                StatusCode::INTERNAL_SERVER_ERROR,
-                format!("compiling the constraint failed: {e}"),
-            )
-        })?;
-    compiled.map_err(|e| {
-        let message = match e {
-            engine::EngineError::InvalidParam { message, .. } => message,
-            other => other.to_string(),
-        };
-        ApiError::bad_request(format!("{field}: {message}"), Some(field))
-    })
-}
-
-async fn tokenize(
-    prompt: PromptSpec,
-    tools: Option<Value>,
-    s: &AppState,
-) -> Result<Vec<u32>, ApiError> {
-    match prompt {
-        PromptSpec::Tokens(ids) => Ok(ids),
-        PromptSpec::Text(t) => s.tokenizer.encode(t, "prompt").await,
-        PromptSpec::Chat(messages) => {
-            let text = s
-                .tokenizer
-                .tokenizer("messages")?
-                .apply_chat_template_with_tools(&messages, tools.as_ref(), true)
-                .map_err(|e| ApiError::bad_request(e.to_string(), Some("messages".into())))?;
-            drop(messages);
-            s.tokenizer.encode(text, "messages").await
-        }
+        reply.collect(admitted.events).await
     }
 }
 
@@ -257,6 +166,29 @@ struct Reply {
     state: Shared,
     num_prompt: usize,
     tool_mode: ToolMode,
+    /// Completions (`n`), each a choice of its index.
+    n: usize,
+}
+
+/// One completion's text, tokens and log-probabilities so far ([`Reply::collect`]).
+#[derive(Default)]
+struct Collected {
+    text: String,
+    tokens: usize,
+    lps: Vec<TokenLogprobs>,
+    asked: bool,
+    finish: Option<FinishReason>,
+}
+
+/// One completion's streaming state ([`Reply::stream`]).
+#[derive(Default)]
+struct Streamed {
+    tokens: usize,
+    offset: usize,
+    started: bool,
+    calls: usize,
+    parser: Option<ToolCallStream>,
+    done: bool,
 }
 
 impl Reply {
@@ -341,55 +273,78 @@ impl Reply {
     }
 
     /// The whole completion as one JSON body.
-    async fn collect(self, mut rx: tmpsc::UnboundedReceiver<Event>) -> Result<Response, ApiError> {
-        let (mut text, mut tokens, mut lps, mut asked) = (String::new(), 0, Vec::new(), false);
-        while let Some(ev) = rx.recv().await {
+    /// The choice of completion `index` in a whole body.
+    fn choice(&self, index: usize, c: Collected) -> Value {
+        let reason = c.finish.as_ref().expect("finished");
+        let logprobs = self.logprobs(&c.lps, c.asked, 0);
+        match self.endpoint {
+            Endpoint::Completions => json!({
+                "index": index, "text": c.text, "logprobs": logprobs,
+                "finish_reason": reason.as_str(),
+            }),
+            Endpoint::ChatCompletions => {
+                let (content, calls) = match self.tool_mode {
+                    ToolMode::Parse => parse_tool_calls(&c.text),
+                    ToolMode::Off => (Some(c.text), Vec::new()),
+                };
+                let mut message = json!({"role": "assistant", "content": content});
+                let mut finish = reason.as_str();
+                if !calls.is_empty() {
+                    message["tool_calls"] = json!(self.calls_json(&calls, 0, false));
+                    finish = "tool_calls";
+                }
+                json!({
+                    "index": index, "message": message, "logprobs": logprobs,
+                    "finish_reason": finish,
+                })
+            }
+        }
+    }
+
+    /// The whole response once every completion has finished: a choice each, in index order;
+    /// the prompt counted once in `usage` (vLLM's rule), the completions' tokens added up.
+    async fn collect(
+        self,
+        mut rx: tmpsc::UnboundedReceiver<(usize, Event)>,
+    ) -> Result<Response, ApiError> {
+        let mut all: Vec<Collected> = (0..self.n).map(|_| Collected::default()).collect();
+        let mut left = self.n;
+        while let Some((i, ev)) = rx.recv().await {
             let out = match ev {
                 Event::Output(o) => o,
                 Event::Failed(msg) => {
                     return Err(ApiError::new(StatusCode::INTERNAL_SERVER_ERROR, msg));
                 }
             };
-            text.push_str(&out.new_text);
-            tokens += out.new_token_ids.len();
-            asked |= !out.new_logprobs.is_empty();
-            lps.extend(out.new_logprobs);
+            let c = &mut all[i];
+            c.text.push_str(&out.new_text);
+            c.tokens += out.new_token_ids.len();
+            c.asked |= !out.new_logprobs.is_empty();
+            c.lps.extend(out.new_logprobs);
             let Some(reason) = out.finish_reason else {
                 continue;
             };
             if let FinishReason::Error(e) = &reason {
                 return Err(ApiError::bad_request(e.clone(), None));
             }
-            let logprobs = self.logprobs(&lps, asked, 0);
-            let choice = match self.endpoint {
-                Endpoint::Completions => json!({
-                    "index": 0, "text": text, "logprobs": logprobs,
-                    "finish_reason": reason.as_str(),
-                }),
-                Endpoint::ChatCompletions => {
-                    let (content, calls) = match self.tool_mode {
-                        ToolMode::Parse => parse_tool_calls(&text),
-                        ToolMode::Off => (Some(text), Vec::new()),
-                    };
-                    let mut message = json!({"role": "assistant", "content": content});
-                    let mut finish = reason.as_str();
-                    if !calls.is_empty() {
-                        message["tool_calls"] = json!(self.calls_json(&calls, 0, false));
-                        finish = "tool_calls";
-                    }
-                    json!({
-                        "index": 0, "message": message, "logprobs": logprobs,
-                        "finish_reason": finish,
-                    })
-                }
-            };
+            c.finish = Some(reason);
+            left -= 1;
+            if left > 0 {
+                continue;
+            }
+            let tokens = all.iter().map(|c| c.tokens).sum();
+            let choices: Vec<Value> = std::mem::take(&mut all)
+                .into_iter()
+                .enumerate()
+                .map(|(i, c)| self.choice(i, c))
+                .collect();
             let object = match self.endpoint {
                 Endpoint::Completions => "text_completion",
                 Endpoint::ChatCompletions => "chat.completion",
             };
             return Ok(axum::Json(json!({
                 "id": self.id, "object": object, "created": self.created, "model": self.model,
-                "choices": [choice], "usage": self.usage(tokens),
+                "choices": choices, "usage": self.usage(tokens),
             }))
             .into_response());
         }
@@ -399,10 +354,11 @@ impl Reply {
         ))
     }
 
-    /// Server-sent events: a chunk per step, `data: [DONE]` at the end. A task forwards the
-    /// engine's outputs; when the client goes away the SSE stream is dropped, the task's send
-    /// fails, it drops the engine channel, and the engine thread aborts the request.
-    fn stream(self, mut rx: tmpsc::UnboundedReceiver<Event>, usage: bool) -> Response {
+    /// Server-sent events: a chunk per completion per step (its `index` in the choice),
+    /// `data: [DONE]` once every completion has finished. A task forwards the engine's
+    /// outputs; when the client goes away the SSE stream is dropped, the task's send fails, it
+    /// drops the events' channel, and the engine thread aborts the completions.
+    fn stream(self, mut rx: tmpsc::UnboundedReceiver<(usize, Event)>, usage: bool) -> Response {
         let (tx, events) = tmpsc::unbounded_channel::<Result<SseEvent, Infallible>>();
         tokio::spawn(async move {
             let object = match self.endpoint {
@@ -419,16 +375,20 @@ impl Reply {
                 }
                 SseEvent::default().data(c.to_string())
             };
-            let (mut tokens, mut offset, mut first) = (0usize, 0usize, true);
-            let mut tool_calls = (self.tool_mode == ToolMode::Parse).then(ToolCallStream::default);
-            let mut num_calls = 0;
-            loop {
+            let mut all: Vec<Streamed> = (0..self.n)
+                .map(|_| Streamed {
+                    parser: (self.tool_mode == ToolMode::Parse).then(ToolCallStream::default),
+                    ..Streamed::default()
+                })
+                .collect();
+            let mut left = self.n;
+            while left > 0 {
                 let ev = tokio::select! {
                     ev = rx.recv() => ev,
                     // Client gone: dropping `rx` makes the engine thread abort the request.
                     _ = tx.closed() => return,
                 };
-                let Some(ev) = ev else { break };
+                let Some((i, ev)) = ev else { break };
                 let out = match ev {
                     Event::Output(o) => o,
                     Event::Failed(msg) => {
@@ -442,18 +402,19 @@ impl Reply {
                     let _ = tx.send(Ok(SseEvent::default().data(err.body().to_string())));
                     break;
                 }
-                tokens += out.new_token_ids.len();
+                let st = &mut all[i];
+                st.tokens += out.new_token_ids.len();
                 let asked = !out.new_logprobs.is_empty();
-                let logprobs = self.logprobs(&out.new_logprobs, asked, offset);
-                offset += out.new_text.len();
+                let logprobs = self.logprobs(&out.new_logprobs, asked, st.offset);
+                st.offset += out.new_text.len();
                 let mut finish = Self::finish(&out.finish_reason);
                 let choice = match self.endpoint {
                     Endpoint::Completions => json!({
-                        "index": 0, "text": out.new_text, "logprobs": logprobs, "finish_reason": finish,
+                        "index": i, "text": out.new_text, "logprobs": logprobs, "finish_reason": finish,
                     }),
                     Endpoint::ChatCompletions => {
                         let (mut content, mut calls) = (out.new_text.clone(), Vec::new());
-                        if let Some(parser) = tool_calls.as_mut() {
+                        if let Some(parser) = st.parser.as_mut() {
                             (content, calls) = parser.push(&out.new_text);
                             if out.finish_reason.is_some() {
                                 content.push_str(&parser.finish());
@@ -461,28 +422,30 @@ impl Reply {
                         }
                         let mut delta = json!({"content": content});
                         if !calls.is_empty() {
-                            delta["tool_calls"] = json!(self.calls_json(&calls, num_calls, true));
-                            num_calls += calls.len();
+                            delta["tool_calls"] = json!(self.calls_json(&calls, st.calls, true));
+                            st.calls += calls.len();
                         }
-                        if out.finish_reason.is_some() && num_calls > 0 {
+                        if out.finish_reason.is_some() && st.calls > 0 {
                             finish = json!("tool_calls");
                         }
-                        if first {
+                        if !st.started {
                             delta["role"] = json!("assistant");
                         }
-                        json!({"index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": finish})
+                        json!({"index": i, "delta": delta, "logprobs": logprobs, "finish_reason": finish})
                     }
                 };
-                first = false;
+                st.started = true;
                 if tx.send(Ok(chunk(json!([choice]), None))).is_err() {
                     return;
                 }
-                if out.finish_reason.is_some() {
-                    if usage {
-                        let _ = tx.send(Ok(chunk(json!([]), Some(self.usage(tokens)))));
-                    }
-                    break;
+                if out.finish_reason.is_some() && !st.done {
+                    st.done = true;
+                    left -= 1;
                 }
+            }
+            if left == 0 && usage {
+                let tokens = all.iter().map(|s| s.tokens).sum();
+                let _ = tx.send(Ok(chunk(json!([]), Some(self.usage(tokens)))));
             }
             let _ = tx.send(Ok(SseEvent::default().data("[DONE]")));
         });

@@ -6,8 +6,9 @@
 
 use serde_json::{Value, json};
 
-const OPEN: &str = "<tool_call>";
-const CLOSE: &str = "</tool_call>";
+/// Qwen's tool-call markers.
+pub(crate) const OPEN: &str = "<tool_call>";
+pub(crate) const CLOSE: &str = "</tool_call>";
 
 /// One parsed call.
 #[derive(Clone, Debug, PartialEq)]

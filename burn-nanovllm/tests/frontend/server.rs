@@ -57,7 +57,14 @@ pub(super) struct TestServer {
     _stop: oneshot::Sender<()>,
 }
 
-async fn start(config: ServerConfig) -> TestServer {
+impl TestServer {
+    /// `http://127.0.0.1:PORT`.
+    pub(super) fn base(&self) -> &str {
+        &self.base
+    }
+}
+
+pub(super) async fn start(config: ServerConfig) -> TestServer {
     start_with(TOKENIZED, config).await
 }
 

@@ -26,6 +26,22 @@ async fn default_model_server() -> TestServer {
     spawn_server(make, config()).await.0
 }
 
+/// A server over `fixtures/qwen2-tiny-tied`: the real Qwen2 vocabulary (151,936 tokens, its
+/// added tokens and chat template), random weights; room for the tools' system prompt.
+async fn qwen_vocabulary_server() -> TestServer {
+    let make = || {
+        let dir =
+            std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../fixtures/qwen2-tiny-tied");
+        let config = burn_nanovllm::EngineConfig {
+            max_model_len: Some(2048),
+            num_kv_blocks: Some(512),
+            ..engine_config()
+        };
+        Ok(LLMEngine::new(dir, config)?)
+    };
+    spawn_server(make, config()).await.0
+}
+
 fn user(text: &str) -> ChatCompletionRequestMessage {
     ChatCompletionRequestUserMessageArgs::default()
         .content(text)
@@ -98,8 +114,13 @@ fn request(
 /// the content parses and validates, across seeds.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn response_format_outputs_validate_whole_and_streamed() {
-    let s = default_model_server().await;
-    let c = client(&s);
+    for s in [default_model_server().await, qwen_vocabulary_server().await] {
+        check_response_format(&s).await;
+    }
+}
+
+async fn check_response_format(s: &TestServer) {
+    let c = client(s);
     let schema = weather_schema();
     for seed in 0..3 {
         let req = request(seed, |a| {
@@ -143,7 +164,12 @@ async fn response_format_outputs_validate_whole_and_streamed() {
 /// unconstrained request.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn vllm_structured_output_fields_constrain_completions_and_chats() {
-    let s = default_model_server().await;
+    for s in [default_model_server().await, qwen_vocabulary_server().await] {
+        check_vllm_fields(&s).await;
+    }
+}
+
+async fn check_vllm_fields(s: &TestServer) {
     let cases = [
         (
             json!({"structured_outputs": {"choice": ["sunny", "rainy", "cold"]}}),
@@ -184,7 +210,7 @@ async fn vllm_structured_output_fields_constrain_completions_and_chats() {
             for (k, v) in extra.as_object().unwrap() {
                 body[k] = v.clone();
             }
-            let r = post(&s, path, &body.to_string(), Some(KEY)).await;
+            let r = post(s, path, &body.to_string(), Some(KEY)).await;
             assert_eq!(r.status(), 200, "{path} {extra}");
             let v: Value = r.json().await.unwrap();
             let text = match path {
@@ -225,8 +251,22 @@ async fn vllm_structured_output_fields_constrain_completions_and_chats() {
 /// returns content; a tool result in the history renders through the template.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn tool_calls_come_back_as_openai_tool_calls_whole_and_streamed() {
-    let s = default_model_server().await;
-    let c = client(&s);
+    check_tool_calls(&default_model_server().await, 128).await;
+}
+
+/// The same through the real Qwen2 vocabulary (`fixtures/qwen2-tiny-tied`, random weights),
+/// whose `<tool_call>` and `</tool_call>` are added tokens: the grammar names them as tokens,
+/// so the model emits them whole (the text `<tool_call>` spelled in bytes was a 400 on every
+/// request), and the parser finds them in the text.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn tool_calls_work_with_the_real_qwen_vocabulary() {
+    check_tool_calls(&qwen_vocabulary_server().await, 600).await;
+}
+
+/// Tool calls forced (`required`, named) come back as `tool_calls` whole and streamed, `auto`
+/// as content, a history with calls and results renders; outputs of up to `max_tokens`.
+async fn check_tool_calls(s: &TestServer, max_tokens: u32) {
+    let c = client(s);
     let params = |name: &str| match name {
         "get_weather" => weather_schema(),
         _ => add_schema(),
@@ -240,7 +280,7 @@ async fn tool_calls_come_back_as_openai_tool_calls_whole_and_streamed() {
         let req = request(seed, |a| {
             a.tools(tools())
                 .tool_choice(choice)
-                .max_completion_tokens(128u32);
+                .max_completion_tokens(max_tokens);
         });
         let whole = c.chat().create(req.clone()).await.unwrap();
         let choice0 = &whole.choices[0];
@@ -301,7 +341,7 @@ async fn tool_calls_come_back_as_openai_tool_calls_whole_and_streamed() {
             {"role": "tool", "tool_call_id": "call_1", "content": "5"},
         ],
     });
-    let r = post(&s, "/v1/chat/completions", &body.to_string(), Some(KEY)).await;
+    let r = post(s, "/v1/chat/completions", &body.to_string(), Some(KEY)).await;
     assert_eq!(r.status(), 200);
 }
 

@@ -8,7 +8,8 @@
 //! to `partial [B, P]`, and [`sample_combine`] keeps the best of each row; a row with a filter
 //! (whose threshold needs the whole row) runs on part 0 alone. The best score and the lowest id
 //! among equal scores do not depend on the split, so neither does the token. Per row:
-//! - greedy (`temperature ≤ 0`): one pass, the argmax (lowest id among equal maxima);
+//! - greedy (`temperature ≤ 0`; the host sends 0 for any below `GREEDY_BELOW`): one pass,
+//!   the argmax (lowest id among equal maxima);
 //! - otherwise a Gumbel-max draw, `argmax_i (x_i / T + g_i)` over the kept tokens, with
 //!   `g_i = −ln(−ln u_i)` and `u_i` a counter-based hash of (seed, counter, i): one pass when no
 //!   filter is set. The draw depends only on the row's own seed and counter, never on the batch.
@@ -344,8 +345,11 @@ pub fn sample_rows<F: Float>(
     let mut state = Shared::<[u32]>::new_slice(4usize);
     let mut need_s = Shared::<[u64]>::new_slice(1usize);
 
+    // Every unit starts from a token of the vocabulary (its part's first; parts past the end
+    // take the last token), so the row's winner is one even when no score beats −∞ (a row
+    // masked whole, NaN logits): the sampler never returns an id outside `0..V`.
     let mut best = f32::new(f32::NEG_INFINITY);
-    let mut best_i = 0xffff_ffffu32;
+    let mut best_i = min(first, vocab - 1) as u32;
     if temperature <= 0.0 {
         let mut i = first + tid;
         while i + comptime!((LOADS - 1) * units) < end {

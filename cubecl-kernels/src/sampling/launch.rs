@@ -63,6 +63,8 @@ pub(crate) fn sample(
             DType::I32,
         ),
     };
+    let v = logits.meta.shape()[1];
+    assert!(v > 0, "sample: logits of an empty vocabulary");
     if b == 0 {
         return out;
     }
@@ -73,7 +75,6 @@ pub(crate) fn sample(
     } else {
         caps.cube_units
     };
-    let v = logits.meta.shape()[1];
     // Parts per row: enough cubes for `FILL` per multiprocessor, each part at least
     // `MIN_PART_UNIT_TOKENS` tokens per unit.
     let parts = match crate::knobs::Knobs::get().sample_fill.unwrap_or(FILL) {

@@ -22,10 +22,14 @@ use burn::tensor::{DType, FloatDType, Int, Tensor, TensorData};
 use crate::KernelError;
 use crate::ops::KernelOps;
 
+/// Temperatures below this are greedy (vLLM's `_SAMPLING_EPS`): dividing logits by a smaller
+/// one overflows them to ±∞ and the draw is the argmax anyway.
+pub const GREEDY_BELOW: f32 = 1e-5;
+
 /// How one row is sampled.
 #[derive(Clone, Copy, Debug, PartialEq)]
 pub struct SamplingRow {
-    /// Softmax temperature; `≤ 0` is greedy.
+    /// Softmax temperature; below [`GREEDY_BELOW`] (0 included) greedy.
     pub temperature: f32,
     /// Keep the `top_k` most likely tokens (0 = all).
     pub top_k: u32,
@@ -40,6 +44,15 @@ pub struct SamplingRow {
 }
 
 impl SamplingRow {
+    /// The temperature the kernel applies: 0 (greedy) below [`GREEDY_BELOW`].
+    pub fn effective_temperature(&self) -> f32 {
+        if self.temperature < GREEDY_BELOW {
+            0.0
+        } else {
+            self.temperature
+        }
+    }
+
     /// A greedy row.
     pub fn greedy() -> Self {
         Self {
@@ -167,6 +180,11 @@ fn sample_to(
             rows.len()
         )));
     }
+    if v == 0 && b > 0 {
+        return Err(KernelError::invalid(
+            "sample: logits of an empty vocabulary",
+        ));
+    }
     rows.iter().try_for_each(SamplingRow::check)?;
     let device = logits.device();
     if !crate::runs_kernels(&logits) {
@@ -188,7 +206,7 @@ fn sample_to(
     let mut pf = Vec::with_capacity(4 * b);
     let mut pu = Vec::with_capacity(4 * b);
     for r in rows {
-        pf.extend([r.temperature, r.top_p, r.min_p, 0.0]);
+        pf.extend([r.effective_temperature(), r.top_p, r.min_p, 0.0]);
         pu.extend([r.top_k, r.seed as u32, (r.seed >> 32) as u32, r.counter]);
     }
     let params_f = Tensor::<2>::from_data(TensorData::new(pf, [b, 4]), (&device, DType::F32));

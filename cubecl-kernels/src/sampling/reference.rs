@@ -37,14 +37,15 @@ pub fn order_key(x: f32) -> u32 {
 /// The smallest logit a row keeps after min-p, top-k and top-p (as an order key), and the
 /// maximum logit. Greedy rows keep everything.
 pub fn threshold(logits: &[f32], row: &SamplingRow) -> u32 {
-    if row.temperature <= 0.0 {
+    let t = row.effective_temperature();
+    if t <= 0.0 {
         return 0;
     }
-    let inv_t = 1.0 / row.temperature;
+    let inv_t = 1.0 / t;
     let m = logits.iter().copied().fold(f32::NEG_INFINITY, f32::max);
     let mut floor = 0u32;
     if row.min_p > 0.0 {
-        floor = order_key(m + row.temperature * row.min_p.ln());
+        floor = order_key(m + t * row.min_p.ln());
     }
     let mut kept: Vec<f32> = logits
         .iter()
@@ -82,10 +83,12 @@ pub fn sample(logits: &[f32], vocab: usize, rows: &[SamplingRow]) -> Vec<u32> {
         .collect()
 }
 
-/// One token from one row: the argmax (greedy) or the Gumbel-max draw over the kept tokens.
+/// One token from one row: the argmax (greedy) or the Gumbel-max draw over the kept tokens;
+/// token 0 when no token scores above −∞ (every token masked, or NaN logits), as the kernel.
 pub fn sample_row(logits: &[f32], row: &SamplingRow) -> u32 {
-    let mut best = (f32::NEG_INFINITY, u32::MAX);
-    if row.temperature <= 0.0 {
+    let mut best = (f32::NEG_INFINITY, 0);
+    let t = row.effective_temperature();
+    if t <= 0.0 {
         for (i, &x) in logits.iter().enumerate() {
             if x > best.0 {
                 best = (x, i as u32);
@@ -94,7 +97,7 @@ pub fn sample_row(logits: &[f32], row: &SamplingRow) -> u32 {
         return best.1;
     }
     let floor = threshold(logits, row);
-    let inv_t = 1.0 / row.temperature;
+    let inv_t = 1.0 / t;
     let key = row_key(row);
     for (i, &x) in logits.iter().enumerate() {
         if order_key(x) >= floor {

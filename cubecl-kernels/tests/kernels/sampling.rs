@@ -390,3 +390,61 @@ fn masked_rows_keep_only_their_allowed_tokens() {
     let err = cubecl_kernels::mask_logits(t, words(2), &[2]).unwrap_err();
     assert!(err.to_string().contains("row 2 of 2"), "{err}");
 }
+
+/// Temperatures far below any useful one are greedy (below 1e-5, vLLM's rule), and no row
+/// draws an id outside the vocabulary: at 1e-5 (sampled), 1e-20, 1e-38 and f32's smallest
+/// subnormal, with scores that overflow when divided by them, on plain rows, on rows masked
+/// to a few tokens and on rows masked whole or of NaN logits (every score −∞: the winner is
+/// still a token of the vocabulary, the first).
+#[test]
+fn tiny_temperatures_are_greedy_and_every_id_is_in_the_vocabulary() {
+    let mut rng = rng("tiny_temperatures_are_greedy_and_every_id_is_in_the_vocabulary");
+    let device = kernel_device();
+    let temperatures = [1e-5f32, 1e-20, 1e-38, f32::from_bits(1)];
+    for (vocab, dtype) in [(300, DType::F32), (1000, DType::BF16), (5000, DType::F32)] {
+        let mut rows = Vec::new();
+        let mut logits = Vec::new();
+        for (k, &temperature) in temperatures.iter().enumerate() {
+            for kind in 0..4 {
+                rows.push(SamplingRow {
+                    temperature,
+                    seed: rng.random(),
+                    counter: k as u32,
+                    ..SamplingRow::greedy()
+                });
+                logits.extend((0..vocab).map(|t| match kind {
+                    // Masked whole, or NaN logits.
+                    2 => f32::NEG_INFINITY,
+                    3 => f32::NAN,
+                    // Masked to three tokens.
+                    1 if t % 97 != 5 => f32::NEG_INFINITY,
+                    _ => rng.random::<f32>() * 60.0 - 30.0,
+                }));
+            }
+        }
+        let b = rows.len();
+        let (t, held) = upload(&logits, [b, vocab], dtype, &device);
+        let got: Vec<i64> = cubecl_kernels::sample(t, &rows)
+            .unwrap()
+            .into_data()
+            .try_into_vec_as::<i64>()
+            .unwrap();
+        for (r, row) in rows.iter().enumerate() {
+            let x = &held[r * vocab..(r + 1) * vocab];
+            let what = format!("V={vocab} {dtype:?} row {r} (T={:e})", row.temperature);
+            assert!((0..vocab as i64).contains(&got[r]), "{what}: id {}", got[r]);
+            match r % 4 {
+                2 | 3 => assert_eq!(got[r], 0, "{what}: no token above -inf"),
+                _ if row.temperature < cubecl_kernels::sampling::GREEDY_BELOW => {
+                    assert_eq!(got[r] as usize, argmax(x), "{what}: greedy")
+                }
+                _ => check_draw(x, row, got[r], &what),
+            }
+            assert_eq!(
+                got[r] as u32,
+                reference::sample_row(x, row),
+                "{what}: the host sampler"
+            );
+        }
+    }
+}

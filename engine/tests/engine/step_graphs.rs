@@ -314,3 +314,76 @@ fn a_pool_sized_around_the_graphs_serves_the_goldens() {
         assert_eq!(l.graph_memory, 0, "nothing to measure off CUDA");
     }
 }
+
+/// A copy of fixture `name` whose config says `max_position_embeddings = positions` (a
+/// checkpoint of a longer context), in a fresh temporary folder.
+fn with_positions(name: &str, positions: usize) -> std::path::PathBuf {
+    let dir = std::env::temp_dir().join(format!(
+        "burn-nanovllm-{name}-{positions}-{}",
+        std::process::id()
+    ));
+    std::fs::create_dir_all(&dir).unwrap();
+    for entry in std::fs::read_dir(fixture(name)).unwrap() {
+        let path = entry.unwrap().path();
+        std::fs::copy(&path, dir.join(path.file_name().unwrap())).unwrap();
+    }
+    let file = dir.join("config.json");
+    let mut config: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(&file).unwrap()).unwrap();
+    config["max_position_embeddings"] = positions.into();
+    std::fs::write(&file, config.to_string()).unwrap();
+    dir
+}
+
+/// A step's host work does not grow with `max_model_len`: the same requests through the same
+/// graphs, at the checkpoint's own 131,072 positions (its default `max_model_len`) and at
+/// 4,096, give the same tokens from the same steps, and write the same bytes of inputs to the
+/// device (block tables by changed entry: rebuilt whole, a graph's tables were `rows × 8,192`
+/// entries a step at 131,072 and `rows × 256` at 4,096). Overlapped and synchronous steps,
+/// graphs and eager.
+#[test]
+fn step_inputs_do_not_grow_with_max_model_len() {
+    let name = "qwen3-tiny";
+    let dir = with_positions(name, 131_072);
+    let prompts = Golden::load(name).prompts();
+    for (overlap, eager) in [(true, false), (false, false), (true, true)] {
+        let run = |max_model_len: Option<usize>| {
+            let config = EngineConfig {
+                max_model_len,
+                async_scheduling: Some(overlap),
+                enforce_eager: eager,
+                ..graph_config(&[1, 8, 16, 24])
+            };
+            let mut engine = engine::LLMEngine::new(
+                &dir,
+                EngineConfig {
+                    device: graph_device(),
+                    ..config
+                },
+            )
+            .unwrap();
+            assert_eq!(
+                engine.limits().max_model_len,
+                max_model_len.unwrap_or(131_072)
+            );
+            let out = run_all(
+                &mut engine,
+                prompts.iter().map(|p| (p.clone(), greedy(40))).collect(),
+            );
+            let tokens: Vec<Vec<u32>> = out.into_iter().map(|f| f.tokens).collect();
+            (tokens, engine.stats())
+        };
+        let (short, s) = run(Some(4096));
+        let (long, l) = run(None);
+        assert_eq!(short, long, "overlap {overlap}, eager {eager}");
+        assert_eq!((s.steps, s.graph_steps), (l.steps, l.graph_steps));
+        assert_eq!(
+            s.graph_timings.bytes_written, l.graph_timings.bytes_written,
+            "overlap {overlap}, eager {eager}"
+        );
+        if !eager {
+            assert!(s.graph_steps > 10 && s.graph_timings.bytes_written > 0);
+        }
+    }
+    std::fs::remove_dir_all(dir).unwrap();
+}

@@ -252,3 +252,54 @@ fn min_tokens_lengthen_a_constrained_output_within_its_grammar() {
     assert!(is_sum(&out.text), "{:?}", out.text);
     assert_eq!(out.last().finish_reason, Some(FinishReason::Stop));
 }
+
+/// Constraints over the real Qwen2 vocabulary (`fixtures/qwen2-tiny-tied`: 151,936 tokens,
+/// `<tool_call>` = 151657 and `</tool_call>` = 151658 added tokens). A grammar that names the
+/// special tokens allows exactly them where they stand and takes them as drawn; a text
+/// constraint spelling the same characters never admits them (their bytes are no text), so a
+/// model that emits them whole can only follow a grammar that names them.
+#[test]
+fn grammars_name_special_tokens_of_the_real_qwen_vocabulary() {
+    use engine::GrammarCompiler;
+    let tokenizer = fixture("qwen2-tiny-tied").join("tokenizer.json");
+    let compiler = GrammarCompiler::new(&tokenizer, &[151645], 151936).unwrap();
+    assert_eq!(compiler.special_token("<tool_call>"), Some(151657));
+    assert_eq!(compiler.special_token("</tool_call>"), Some(151658));
+    assert_eq!(compiler.special_token("<|im_end|>"), Some(151645));
+    assert_eq!(compiler.special_token("tool_call"), None);
+    let words = cubecl_kernels::mask_words(151936);
+    let allowed = |m: &mut engine::GrammarMatcher| {
+        let mut mask = vec![0u32; words];
+        m.fill_mask(&mut mask).unwrap();
+        (0..151936u32)
+            .filter(|&t| (mask[t as usize / 32] >> (t % 32)) & 1 == 1)
+            .collect::<Vec<u32>>()
+    };
+    let grammar = r#"start: <tool_call> "\n" %json {"type": "object", "properties": {"a": {"const": 1}}, "required": ["a"], "additionalProperties": false} "\n" </tool_call>"#;
+    let mut m = compiler
+        .compile(&StructuredOutput::Grammar(grammar.into()))
+        .unwrap();
+    assert_eq!(allowed(&mut m), [151657]);
+    m.accept(151657).unwrap();
+    // "\n", then the JSON object, written by the tokenizer's own ids.
+    let text = "\n{\"a\": 1}\n";
+    let tok = model_qwen2::Qwen2Tokenizer::from_dir(fixture("qwen2-tiny-tied")).unwrap();
+    for id in tok.encode(text).unwrap() {
+        assert!(allowed(&mut m).contains(&id), "token {id} of {text:?}");
+        m.accept(id).unwrap();
+    }
+    assert_eq!(allowed(&mut m), [151658]);
+    m.accept(151658).unwrap();
+    assert!(m.is_finished());
+    // A text constraint spelling the marker never allows the special token.
+    for text in [
+        StructuredOutput::Regex("<tool_call>[a-z]+".into()),
+        StructuredOutput::Grammar(r#"start: "<tool_call>" /[a-z]+/"#.into()),
+        StructuredOutput::JsonObject,
+    ] {
+        let mut m = compiler.compile(&text).unwrap();
+        let ids = allowed(&mut m);
+        assert!(!ids.is_empty() && !ids.contains(&151657), "{text:?}");
+        assert!(m.accept(151657).is_err(), "{text:?}");
+    }
+}
