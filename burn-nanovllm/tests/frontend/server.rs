@@ -308,7 +308,7 @@ async fn bad_requests_get_openai_errors_and_the_server_stays_healthy() {
         refused(r#"{"prompt": "Hi", "max_tokens": "many"}"#, "max_tokens"),
         refused(r#"{"prompt": "Hi", "max_tokens": -4}"#, "max_tokens"),
         refused(r#"{"prompt": "Hi", "temperature": -1}"#, "temperature"),
-        refused(r#"{"prompt": "Hi", "n": 3}"#, "n"),
+        refused(r#"{"prompt": "Hi", "n": 65}"#, "n"),
         refused(&json!({"prompt": long}).to_string(), "prompt"),
         (
             r#"{"prompt": "Hi", "model": "gpt-9"}"#.into(),
