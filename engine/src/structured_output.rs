@@ -148,6 +148,9 @@ pub struct GrammarCompiler {
     factory: ParserFactory,
     vocab_size: usize,
     cache: Mutex<GrammarCache>,
+    /// The tokenizer's special tokens (added tokens such as `<tool_call>`), end-of-sequence
+    /// tokens excepted.
+    specials: Vec<u32>,
 }
 
 /// Compiled grammars by their text, least recently used evicted first.
@@ -204,10 +207,15 @@ impl GrammarCompiler {
         let mut factory = ParserFactory::new_simple(&env).map_err(|e| failed(e.to_string()))?;
         factory.quiet();
         *factory.limits_mut() = parser_limits();
+        let trie = factory.tok_env().tok_trie();
+        let specials = (0..trie.vocab_size() as u32)
+            .filter(|&t| trie.is_special_token(t) && !eos_token_ids.contains(&t))
+            .collect();
         Ok(Self {
             factory,
             vocab_size,
             cache: Mutex::new(GrammarCache::default()),
+            specials,
         })
     }
 
@@ -228,8 +236,9 @@ impl GrammarCompiler {
     /// [`EngineError::InvalidParam`] (field `structured_output`) saying what is wrong.
     pub fn compile(&self, constraint: &StructuredOutput) -> Result<GrammarMatcher> {
         let (grammar, key) = constraint.grammar()?;
+        let unnamed = Arc::new(self.unnamed_specials(constraint));
         if let Some(m) = self.cache.lock().expect("grammar cache").get(&key) {
-            return Ok(GrammarMatcher::new(m));
+            return Ok(GrammarMatcher::new(m, unnamed));
         }
         let matcher = Matcher::new(self.factory.create_parser(grammar));
         if let Some(e) = matcher.get_error() {
@@ -239,18 +248,52 @@ impl GrammarCompiler {
             .lock()
             .expect("grammar cache")
             .insert(key, matcher.deep_clone());
-        Ok(GrammarMatcher::new(matcher))
+        Ok(GrammarMatcher::new(matcher, unnamed))
+    }
+
+    /// The special tokens `constraint` may never admit: every one but those a Lark grammar
+    /// names (`<tool_call>`, or any of them through a token range `<[…]>`). llguidance lets a
+    /// special token through wherever the text it spells is allowed (a regex asking for the
+    /// text `<tool_call>` admitted token 151657 of the Qwen tokenizers, which then broke the
+    /// constraint); a model that draws one there could not go on.
+    fn unnamed_specials(&self, constraint: &StructuredOutput) -> Vec<u32> {
+        let StructuredOutput::Grammar(lark) = constraint else {
+            return self.specials.clone();
+        };
+        if lark.contains("<[") {
+            return Vec::new();
+        }
+        let trie = self.factory.tok_env().tok_trie();
+        // `<name>` outside quotes names a token; `"<name>"` is text.
+        let named: Vec<u32> = lark
+            .match_indices('<')
+            .filter(|&(at, _)| !lark[..at].ends_with('"'))
+            .filter_map(|(at, _)| {
+                let end = lark[at..].find('>')?;
+                trie.get_special_token(&lark[at..=at + end])
+            })
+            .collect();
+        self.specials
+            .iter()
+            .copied()
+            .filter(|t| !named.contains(t))
+            .collect()
     }
 }
 
 /// One request's place in its grammar.
 pub struct GrammarMatcher {
     matcher: Matcher,
+    /// Special tokens the constraint does not name: never allowed.
+    unnamed_specials: Arc<Vec<u32>>,
 }
 
 impl GrammarMatcher {
-    fn new(matcher: Matcher) -> Self {
-        Self { matcher }
+    fn new(matcher: Matcher, unnamed_specials: Arc<Vec<u32>>) -> Self {
+        Self {
+            matcher,
+            unnamed_specials,
+        }
     }
 
     /// Writes the tokens allowed next into `mask` (`⌈V/32⌉` words; bit `t mod 32` of word
@@ -264,14 +307,25 @@ impl GrammarMatcher {
         let n = words.len().min(mask.len());
         mask[..n].copy_from_slice(&words[..n]);
         mask[n..].fill(0);
+        for &t in self.unnamed_specials.iter() {
+            if let Some(w) = mask.get_mut(t as usize / 32) {
+                *w &= !(1u32 << (t % 32));
+            }
+        }
         if mask.iter().all(|&w| w == 0) {
             return Err("the grammar allows no token here".into());
         }
         Ok(())
     }
 
-    /// Advances past a drawn token; an error if the grammar does not allow it.
+    /// Advances past a drawn token; an error if the grammar does not allow it (or it is a
+    /// special token the constraint does not name).
     pub fn accept(&mut self, token: u32) -> std::result::Result<(), String> {
+        if self.unnamed_specials.contains(&token) {
+            return Err(format!(
+                "token {token} is a special token the constraint does not name"
+            ));
+        }
         self.matcher.consume_token(token).map_err(|e| e.to_string())
     }
 

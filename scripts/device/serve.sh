@@ -3,7 +3,8 @@
 # Qwen2-0.5B config, loaded by `benches serve` (vLLM's `bench serve` semantics) at several
 # request rates. Needs dist/{burn-nanovllm,benches}.xz and torch + transformers (to write the
 # random checkpoint). Logs and JSON go to $OUT.
-# Usage: serve.sh [BENCH ARGS...] (e.g. --request-rate 8,32,inf --num-prompts 200)
+# Usage: [MAX_MODEL_LEN=N] serve.sh [BENCH ARGS...] (e.g. --request-rate 8,32,inf --num-prompts 200);
+# the server runs at the checkpoint's own max_model_len (32,768 here) unless MAX_MODEL_LEN is set.
 set -uo pipefail
 cd "$(dirname "$0")/../.."
 mkdir -p /tmp/bin
@@ -21,7 +22,7 @@ Qwen2ForCausalLM(cfg).to(torch.bfloat16).save_pretrained("/tmp/qwen2-0.5b-dummy"
 PY
 start=$(date +%s)
 /tmp/bin/burn-nanovllm serve --model /tmp/qwen2-0.5b-dummy --served-model-name qwen2-0.5b-dummy \
-  --device cuda --max-model-len 4096 --port 8000 > "$OUT/server.log" 2>&1 &
+  --device cuda ${MAX_MODEL_LEN:+--max-model-len $MAX_MODEL_LEN} --port 8000 > "$OUT/server.log" 2>&1 &
 server=$!
 until curl -sf localhost:8000/health > /dev/null; do
   sleep 1

@@ -90,6 +90,20 @@ pub(super) async fn spawn_server(
     (TestServer { base, _stop: stop }, serving)
 }
 
+/// A server over `fixtures/qwen2-tiny-tied`: the real Qwen2 vocabulary (151,936 tokens, its
+/// added tokens and chat template), random weights; room for the tools' system prompt.
+pub(super) async fn qwen_vocabulary_server() -> TestServer {
+    let make = || {
+        let config = EngineConfig {
+            max_model_len: Some(2048),
+            num_kv_blocks: Some(512),
+            ..engine_config()
+        };
+        Ok(LLMEngine::new(fixture(), config)?)
+    };
+    spawn_server(make, config()).await.0
+}
+
 pub(super) fn config() -> ServerConfig {
     ServerConfig {
         model_name: MODEL.into(),

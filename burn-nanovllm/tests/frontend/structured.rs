@@ -14,7 +14,10 @@ use burn_nanovllm::LLMEngine;
 use serde_json::{Value, json};
 use tokio_stream::StreamExt;
 
-use super::server::{KEY, MODEL, TestServer, client, config, engine_config, post, spawn_server};
+use super::server::{
+    KEY, MODEL, TestServer, client, config, engine_config, post, qwen_vocabulary_server,
+    spawn_server,
+};
 
 async fn default_model_server() -> TestServer {
     let make = || {
@@ -22,22 +25,6 @@ async fn default_model_server() -> TestServer {
             burn_nanovllm::default_model_dir(),
             engine_config(),
         )?)
-    };
-    spawn_server(make, config()).await.0
-}
-
-/// A server over `fixtures/qwen2-tiny-tied`: the real Qwen2 vocabulary (151,936 tokens, its
-/// added tokens and chat template), random weights; room for the tools' system prompt.
-async fn qwen_vocabulary_server() -> TestServer {
-    let make = || {
-        let dir =
-            std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../fixtures/qwen2-tiny-tied");
-        let config = burn_nanovllm::EngineConfig {
-            max_model_len: Some(2048),
-            num_kv_blocks: Some(512),
-            ..engine_config()
-        };
-        Ok(LLMEngine::new(dir, config)?)
     };
     spawn_server(make, config()).await.0
 }

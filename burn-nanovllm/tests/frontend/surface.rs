@@ -5,7 +5,7 @@
 
 use serde_json::{Value, json};
 
-use super::server::{KEY, MODEL, TestServer, config, post, start};
+use super::server::{KEY, MODEL, TestServer, config, post, qwen_vocabulary_server, start};
 
 async fn json_of(s: &TestServer, path: &str, body: Value) -> (u16, Value) {
     let r = post(s, path, &body.to_string(), Some(KEY)).await;
@@ -151,17 +151,7 @@ async fn sampling_fields_of_openai_and_vllm() {
 /// the final text.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn responses_api_text_schema_function_calls_and_events() {
-    let make = || {
-        let dir =
-            std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../fixtures/qwen2-tiny-tied");
-        let config = burn_nanovllm::EngineConfig {
-            max_model_len: Some(2048),
-            num_kv_blocks: Some(512),
-            ..super::server::engine_config()
-        };
-        Ok(burn_nanovllm::LLMEngine::new(dir, config)?)
-    };
-    let s = super::server::spawn_server(make, config()).await.0;
+    let s = qwen_vocabulary_server().await;
     let (status, v) = json_of(
         &s,
         "/v1/responses",

@@ -104,11 +104,7 @@ fn sampling_matches_host_reference() {
     ] {
         let (logits, rows) = cases(&mut rng, vocab);
         let (t, logits) = upload(&logits, [rows.len(), vocab], dtype, &device);
-        let got: Vec<i64> = cubecl_kernels::sample(t, &rows)
-            .unwrap()
-            .into_data()
-            .try_into_vec_as::<i64>()
-            .unwrap();
+        let got = draw(t, &rows);
         for (r, row) in rows.iter().enumerate() {
             let x = &logits[r * vocab..(r + 1) * vocab];
             check_draw(x, row, got[r], &format!("row {r} (V={vocab}, {dtype:?})"));
@@ -159,11 +155,7 @@ fn the_largest_hash_wins_no_draw() {
     let device = kernel_device();
     for dtype in [DType::F32, DType::BF16] {
         let (t, _) = upload(&x, [1, VOCAB as usize], dtype, &device);
-        let got: Vec<i64> = cubecl_kernels::sample(t, &[row])
-            .unwrap()
-            .into_data()
-            .try_into_vec_as::<i64>()
-            .unwrap();
+        let got = draw(t, &[row]);
         assert_eq!(
             got,
             [0],
@@ -246,11 +238,7 @@ fn draws_follow_the_filtered_distribution() {
     let rows: Vec<SamplingRow> = (0..n).map(|s| row(s as u64)).collect();
     let flat: Vec<f32> = (0..n).flat_map(|_| logits).collect();
     let t = Tensor::<2>::from_data(TensorData::new(flat, [n, vocab]), (&device, DType::F32));
-    let got: Vec<i64> = cubecl_kernels::sample(t, &rows)
-        .unwrap()
-        .into_data()
-        .try_into_vec_as::<i64>()
-        .unwrap();
+    let got = draw(t, &rows);
     let z: f32 = logits[..4].iter().map(|x| x.exp()).sum();
     for (i, &x) in logits.iter().enumerate() {
         let freq = got.iter().filter(|&&g| g == i as i64).count() as f32 / n as f32;
@@ -260,6 +248,15 @@ fn draws_follow_the_filtered_distribution() {
             "token {i}: frequency {freq}, probability {p}"
         );
     }
+}
+
+/// The kernel's tokens for `rows` of logits `t`, on the host.
+fn draw(t: Tensor<2>, rows: &[SamplingRow]) -> Vec<i64> {
+    cubecl_kernels::sample(t, rows)
+        .unwrap()
+        .into_data()
+        .try_into_vec_as::<i64>()
+        .unwrap()
 }
 
 fn argmax(x: &[f32]) -> usize {
@@ -424,11 +421,7 @@ fn tiny_temperatures_are_greedy_and_every_id_is_in_the_vocabulary() {
         }
         let b = rows.len();
         let (t, held) = upload(&logits, [b, vocab], dtype, &device);
-        let got: Vec<i64> = cubecl_kernels::sample(t, &rows)
-            .unwrap()
-            .into_data()
-            .try_into_vec_as::<i64>()
-            .unwrap();
+        let got = draw(t, &rows);
         for (r, row) in rows.iter().enumerate() {
             let x = &held[r * vocab..(r + 1) * vocab];
             let what = format!("V={vocab} {dtype:?} row {r} (T={:e})", row.temperature);

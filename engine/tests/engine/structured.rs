@@ -291,15 +291,28 @@ fn grammars_name_special_tokens_of_the_real_qwen_vocabulary() {
     assert_eq!(allowed(&mut m), [151658]);
     m.accept(151658).unwrap();
     assert!(m.is_finished());
-    // A text constraint spelling the marker never allows the special token.
+    // A text constraint never admits a special token it does not name. (llguidance's forced
+    // text `<tool_call>` tokenizes to the special token, as Hugging Face's tokenizer would, and
+    // then refuses it: with it filtered out such a constraint allows nothing there, a clear
+    // error before any draw, instead of a draw that breaks the constraint.)
     for text in [
         StructuredOutput::Regex("<tool_call>[a-z]+".into()),
         StructuredOutput::Grammar(r#"start: "<tool_call>" /[a-z]+/"#.into()),
         StructuredOutput::JsonObject,
     ] {
         let mut m = compiler.compile(&text).unwrap();
-        let ids = allowed(&mut m);
-        assert!(!ids.is_empty() && !ids.contains(&151657), "{text:?}");
+        let mut mask = vec![0u32; words];
+        match m.fill_mask(&mut mask) {
+            Ok(()) => assert_eq!((mask[151657 / 32] >> (151657 % 32)) & 1, 0, "{text:?}"),
+            Err(e) => assert!(e.contains("allows no token"), "{text:?}: {e}"),
+        }
         assert!(m.accept(151657).is_err(), "{text:?}");
     }
+    // JSON has no forced marker: its first tokens are there, and no special one among them.
+    let mut m = compiler.compile(&StructuredOutput::JsonObject).unwrap();
+    let ids = allowed(&mut m);
+    assert!(
+        !ids.is_empty() && ids.iter().all(|&t| t < 151643),
+        "{ids:?}"
+    );
 }
