@@ -36,7 +36,7 @@ enum Command {
     Add {
         prompt: Vec<u32>,
         params: Box<SamplingParams>,
-        matcher: Option<GrammarMatcher>,
+        matcher: Option<Box<GrammarMatcher>>,
         events: tmpsc::UnboundedSender<Event>,
         accepted: oneshot::Sender<Result<RequestId, EngineError>>,
     },
@@ -216,7 +216,7 @@ impl EngineHandle {
         let sent = self.commands.send(Command::Add {
             prompt,
             params: Box::new(params),
-            matcher,
+            matcher: matcher.map(Box::new),
             events,
             accepted,
         });
@@ -319,7 +319,7 @@ impl EngineThread {
                 matcher,
                 events,
                 accepted,
-            } => match engine.add_compiled_request(prompt, *params, matcher) {
+            } => match engine.add_compiled_request(prompt, *params, matcher.map(|m| *m)) {
                 Ok(id) => {
                     self.requests.insert(
                         id,

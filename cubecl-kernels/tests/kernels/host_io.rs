@@ -15,15 +15,13 @@ fn values(t: &Tensor<1, Int>) -> Vec<i64> {
 #[test]
 fn scattered_and_span_writes_land_in_place() {
     let device = kernel_device();
-    let n = 5000;
+    let n: usize = 5000;
     let start: Vec<i32> = (0..n as i32).collect();
     let mut buf =
         Tensor::<1, Int>::from_data(TensorData::new(start.clone(), [n]), (&device, DType::I32));
     let mut want: Vec<i64> = start.iter().map(|&v| v as i64).collect();
     // Scattered entries (distinct indices, as the engine sends), some inside the view.
-    let entries: Vec<[i32; 2]> = (0..700)
-        .map(|k| [(k * 7) as i32, -(k as i32) - 1])
-        .collect();
+    let entries: Vec<[i32; 2]> = (0..700i32).map(|k| [k * 7, -k - 1]).collect();
     let entries: Vec<[i32; 2]> = entries
         .into_iter()
         .chain([[4100, 123_456], [4199, -7], [n as i32 - 1, 9]])
