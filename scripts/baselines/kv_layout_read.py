@@ -1,4 +1,4 @@
-"""How fast a paged decode can read its KV cache in each block layout (issue 25's question).
+"""How fast a paged decode can read its KV cache in each block layout.
 
 On the GPU machine: `python3 scripts/baselines/kv_layout_read.py > kv_layout.csv`.
 

@@ -1,4 +1,4 @@
-# Issue 23: what a dependent gets — cuBLASLt fenced on its own stream (the published cubecl-cuda's
+# What a dependent gets — cuBLASLt fenced on its own stream (the published cubecl-cuda's
 # route; BURN_NANOVLLM_CUBLAS=fenced forces it in this build) against the stream-ordered route.
 mkdir -p /tmp/bin && xz -T0 -dc dist-bench/benches.xz > /tmp/bin/benches && chmod +x /tmp/bin/benches
 B=/tmp/bin/benches

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# On the GPU machine (device tool): issue 29's checks and figures in one command, with whichever
+# On the GPU machine (device tool): the step graphs' checks and figures in one command, with whichever
 # binaries dist*/ hold (engine.xz, kernels.xz: test binaries; benches.xz: built with
 # `--features benches/host-profile`, unstripped for the host profile). The three exceed the
 # travelling tree's 64 MiB together: carry one folder per call, back to back (/tmp/bin stays

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# On the GPU machine (device tool): structured outputs (issue 27) on CUDA, with whichever
+# On the GPU machine (device tool): structured outputs on CUDA, with whichever
 # binaries dist*/ hold (carry one folder per call, back to back; /tmp/bin stays while the
 # machine is warm):
 #   kernels (dist-k/kernels.xz): every kernel test on CUDA, the token-mask kernel among them;
