@@ -123,7 +123,13 @@ async fn fan_out(
     prompt: Vec<u32>,
     params: SamplingParams,
 ) {
-    let Some(event) = first.recv().await else {
+    // The reader may go away before the first completion's first event: stop then (dropping
+    // `first` aborts it), not after its prefill.
+    let event = tokio::select! {
+        ev = first.recv() => ev,
+        _ = tx.closed() => None,
+    };
+    let Some(event) = event else {
         return;
     };
     if tx.send((0, event)).is_err() {
