@@ -121,7 +121,7 @@ fn is_cube(device: &burn::tensor::Device) -> bool {
     }
 }
 
-/// Units per cube of [`scatter_pairs`].
+/// Units per cube of [`kernel::scatter_pairs`].
 const SCATTER_UNITS: u32 = 256;
 
 /// Device code of [`scatter_ints`].

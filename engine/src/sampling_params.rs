@@ -199,23 +199,23 @@ impl SamplingParams {
                 ),
             ));
         }
-        if self.stop_token_ids.len() > MAX_STOP_TOKEN_IDS {
-            return Err(p(
+        for (field, unit, n, most) in [
+            (
                 "stop_token_ids",
-                format!(
-                    "{} ids: at most {MAX_STOP_TOKEN_IDS}",
-                    self.stop_token_ids.len()
-                ),
-            ));
-        }
-        if self.logit_bias.len() > MAX_LOGIT_BIAS {
-            return Err(p(
+                "ids",
+                self.stop_token_ids.len(),
+                MAX_STOP_TOKEN_IDS,
+            ),
+            (
                 "logit_bias",
-                format!(
-                    "{} entries: at most {MAX_LOGIT_BIAS}",
-                    self.logit_bias.len()
-                ),
-            ));
+                "entries",
+                self.logit_bias.len(),
+                MAX_LOGIT_BIAS,
+            ),
+        ] {
+            if n > most {
+                return Err(p(field, format!("{n} {unit}: at most {most}")));
+            }
         }
         if let Some((t, b)) = self
             .logit_bias

@@ -2,6 +2,8 @@
 //! two share every sampling field), their checks, and their mapping to `SamplingParams`;
 //! the constraint they carry is `constraints.rs`'s.
 
+use axum::body::Bytes;
+use axum::extract::rejection::BytesRejection;
 use engine::SamplingParams;
 use model_qwen2::ChatMessage;
 use serde::Deserialize;
@@ -211,9 +213,13 @@ pub struct ContentPart {
     pub text: Option<String>,
 }
 
-/// Parses a JSON body; a syntax or type error names the field (`max_tokens: invalid type …`).
-pub fn parse_body<T: serde::de::DeserializeOwned>(body: &[u8]) -> Result<T, ApiError> {
-    let de = &mut serde_json::Deserializer::from_slice(body);
+/// A request body as axum hands it over (a rejection keeps its status), parsed as JSON; a
+/// syntax or type error names the field (`max_tokens: invalid type …`).
+pub fn parse_body<T: serde::de::DeserializeOwned>(
+    body: Result<Bytes, BytesRejection>,
+) -> Result<T, ApiError> {
+    let body = body.map_err(|e| ApiError::new(e.status(), e.body_text()))?;
+    let de = &mut serde_json::Deserializer::from_slice(&body);
     serde_path_to_error::deserialize(de).map_err(|e| {
         let path = e.path().to_string();
         let param = (path != "." && path != "?").then(|| path.clone());
@@ -240,11 +246,6 @@ pub enum PromptSpec {
 }
 
 impl OpenAiRequest {
-    /// Parses a body; a syntax or type error names the field (`max_tokens: invalid type …`).
-    pub fn parse(body: &[u8]) -> Result<Self, ApiError> {
-        parse_body(body)
-    }
-
     /// Streaming, and whether the stream ends with a usage chunk.
     pub fn streaming(&self) -> (bool, bool) {
         let stream = self.stream.unwrap_or(false);

@@ -257,8 +257,7 @@ fn message(role: &str, content: Option<ContentIn>) -> MessageIn {
 /// `POST /v1/responses`.
 pub async fn responses(State(s): State<Shared>, body: Result<Bytes, BytesRejection>) -> Response {
     let run = async {
-        let body = body.map_err(|e| ApiError::new(e.status(), e.body_text()))?;
-        let req: ResponsesRequest = parse_body(&body)?;
+        let req: ResponsesRequest = parse_body(body)?;
         let (chat, stream) = req.into_chat()?;
         let admitted = admit(&s, Endpoint::ChatCompletions, chat).await?;
         let reply = Reply {

@@ -24,7 +24,7 @@ use super::engine_loop::{EngineHandle, Event};
 use super::error::ApiError;
 use super::grammar_pool::GrammarPool;
 use super::metrics::render;
-use super::protocol::{Endpoint, OpenAiRequest, ToolMode};
+use super::protocol::{Endpoint, OpenAiRequest, ToolMode, parse_body};
 use super::tokenize::{PromptTokenizer, release_free_memory};
 use super::tool_calls::{ToolCall, ToolCallStream, parse_tool_calls};
 
@@ -133,8 +133,7 @@ async fn run(
     endpoint: Endpoint,
     body: Result<Bytes, BytesRejection>,
 ) -> Result<Response, ApiError> {
-    let body = body.map_err(|e| ApiError::new(e.status(), e.body_text()))?;
-    let req = OpenAiRequest::parse(&body)?;
+    let req: OpenAiRequest = parse_body(body)?;
     let (stream, usage) = req.streaming();
     let admitted = admit(&s, endpoint, req).await?;
     let reply = Reply {

@@ -27,8 +27,7 @@ pub async fn tokenize_route(
     body: Result<Bytes, BytesRejection>,
 ) -> Response {
     let run = async {
-        let body = body.map_err(|e| ApiError::new(e.status(), e.body_text()))?;
-        let req = OpenAiRequest::parse(&body)?;
+        let req: OpenAiRequest = parse_body(body)?;
         check_model(&s, req.model.as_deref())?;
         let endpoint = match req.messages.is_some() {
             true => Endpoint::ChatCompletions,
@@ -52,8 +51,7 @@ pub async fn tokenize_route(
 /// `POST /detokenize`: `{"tokens": […]}` → `{"prompt": text}`.
 pub async fn detokenize(State(s): State<Shared>, body: Result<Bytes, BytesRejection>) -> Response {
     let run = || {
-        let body = body.map_err(|e| ApiError::new(e.status(), e.body_text()))?;
-        let req: DetokenizeRequest = parse_body(&body)?;
+        let req: DetokenizeRequest = parse_body(body)?;
         check_model(&s, req.model.as_deref())?;
         let tokenizer = s.tokenizer.tokenizer("tokens")?;
         let vocab = s.engine.info.vocab_size;
