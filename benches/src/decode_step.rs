@@ -107,6 +107,7 @@ impl Weights {
                         gate_up_proj: Linear::new(l.wgu.clone(), None),
                         down_proj: Linear::new(l.wd.clone(), None),
                     },
+                    parallel: None,
                 }
                 .fold_norm_gains()
             })

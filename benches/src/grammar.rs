@@ -106,7 +106,8 @@ pub fn run(
     rows: &[usize],
     steps: usize,
 ) -> Result<Report> {
-    let compiler = GrammarCompiler::new(&tokenizer_dir.join("tokenizer.json"), &[], vocab_size)?;
+    let tokenizer = model_qwen2::Qwen2Tokenizer::from_dir(tokenizer_dir)?;
+    let compiler = GrammarCompiler::new(&tokenizer, &[], vocab_size)?;
     let constraint = StructuredOutput::JsonSchema(bench_schema());
     let mut report = Report::new(
         "grammar masks and advances (bench.py's JSON schema, random allowed tokens)",

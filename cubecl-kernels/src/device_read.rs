@@ -4,7 +4,7 @@
 //!
 //! A Burn read (`Tensor::into_data`) cannot do that: its copy is enqueued only when the read is
 //! awaited, behind everything enqueued before, so a read of step N's tokens issued after step
-//! N + 1 was enqueued would wait for step N + 1 as well. Here an op ([`KernelOps::read_ints`])
+//! N + 1 was enqueued would wait for step N + 1 as well. Here an op ([`DeviceReadOps::read_ints`])
 //! rides the fusion queue to the buffer, enqueues CubeCL's asynchronous copy (copy, then a
 //! fence) and leaves its future in a slot; the queue is flushed to the device at once.
 
@@ -13,13 +13,14 @@ use std::future::Future;
 use std::pin::Pin;
 use std::sync::{Arc, Mutex};
 
-use burn::backend::{Backend, Dispatch};
+use burn::backend::fusion::custom::TensorSpec;
+use burn::backend::tensor::IntTensor;
+use burn::backend::{Backend, Dispatch, backend_extension};
 use burn::tensor::{DType, Int, Tensor};
-use burn_cubecl::tensor::CubeTensor;
+use burn_cubecl::{CubeBackend, tensor::CubeTensor};
 use cubecl::server::{CopyDescriptor, ServerError};
 
 use crate::KernelError;
-use crate::ops::KernelOps;
 
 type CopyFuture =
     Pin<Box<dyn Future<Output = Result<Vec<cubecl::bytes::Bytes>, ServerError>> + Send>>;
@@ -31,7 +32,7 @@ struct EnqueuedCopy {
     _client: Arc<cubecl::client::Client>,
 }
 
-/// Where [`KernelOps::read_ints`] leaves the enqueued copy.
+/// Where [`DeviceReadOps::read_ints`] leaves the enqueued copy.
 #[derive(Clone, Default)]
 pub struct ReadSlot(Arc<Mutex<Option<EnqueuedCopy>>>);
 
@@ -155,4 +156,27 @@ pub(crate) fn run_now(
         .map_err(|e| KernelError::invalid(format!("{what}: flush: {e:?}")))?;
     drop(kept);
     Ok(())
+}
+
+/// The stream-ordered device-to-host copy as a Burn backend extension (the `Fusion` wrapper is
+/// generated: each op is an opaque deferred operation on the fusion stream). Call it through this
+/// module's functions, which check arguments and fall back to plain Burn off CubeCL devices.
+#[backend_extension(Cube, Fusion)]
+pub trait DeviceReadOps: Backend {
+    /// Starts copying `src` (`[n]` i32, contiguous) to the host: the copy is enqueued on the
+    /// device's stream when the op runs and its future left in `read` (see
+    /// [`crate::read_ints_async`]). Returns `src`.
+    #[fusion(meta = read_ints_meta)]
+    fn read_ints(src: IntTensor<Self>, read: ReadSlot) -> IntTensor<Self>;
+}
+
+fn read_ints_meta(src: &TensorSpec, _read: &ReadSlot) -> TensorSpec {
+    src.clone()
+}
+
+impl DeviceReadOps for CubeBackend {
+    fn read_ints(src: IntTensor<Self>, read: ReadSlot) -> IntTensor<Self> {
+        start_cube(&src, &read);
+        src
+    }
 }

@@ -7,12 +7,13 @@
 use std::fmt;
 use std::sync::{Arc, Mutex};
 
-use burn::backend::Dispatch;
+use burn::backend::fusion::custom::TensorSpec;
+use burn::backend::tensor::IntTensor;
+use burn::backend::{Backend, Dispatch, backend_extension};
 use burn::tensor::{Int, Tensor};
-use burn_cubecl::tensor::CubeTensor;
+use burn_cubecl::{CubeBackend, tensor::CubeTensor};
 
 use crate::KernelError;
-use crate::ops::KernelOps;
 
 /// A recorded event: its handle (a `CUevent`, as an address) and the client whose device thread
 /// owns the CUDA context. Only the vendored cubecl-cuda records events: elsewhere (a dependent on
@@ -37,7 +38,7 @@ impl Drop for Event {
     }
 }
 
-/// Where [`KernelOps::mark_stream`] leaves its event (empty where none can be recorded).
+/// Where [`GpuTimelineOps::mark_stream`] leaves its event (empty where none can be recorded).
 #[derive(Clone, Default)]
 pub struct MarkSlot(Arc<Mutex<Option<Event>>>);
 
@@ -162,4 +163,27 @@ pub fn mark_stream(anchor: &Tensor<1, Int>) -> Result<Option<GpuMark>, KernelErr
     crate::device_read::run_now(out, &device, "gpu mark")?;
     let recorded = slot.0.lock().expect("mark").is_some();
     Ok(recorded.then_some(GpuMark(slot)))
+}
+
+/// Stream events as a Burn backend extension (the `Fusion` wrapper is generated: each op is an
+/// opaque deferred operation on the fusion stream). Call it through this module's functions, which
+/// check arguments and fall back to plain Burn off CubeCL devices.
+#[backend_extension(Cube, Fusion)]
+pub trait GpuTimelineOps: Backend {
+    /// Records a CUDA event on the stream `anchor`'s work is ordered on, behind everything
+    /// enqueued before, into `mark` (see [`crate::mark_stream`]; nothing off CUDA). Returns
+    /// `anchor`.
+    #[fusion(meta = mark_stream_meta)]
+    fn mark_stream(anchor: IntTensor<Self>, mark: MarkSlot) -> IntTensor<Self>;
+}
+
+fn mark_stream_meta(anchor: &TensorSpec, _mark: &MarkSlot) -> TensorSpec {
+    anchor.clone()
+}
+
+impl GpuTimelineOps for CubeBackend {
+    fn mark_stream(anchor: IntTensor<Self>, mark: MarkSlot) -> IntTensor<Self> {
+        record(&anchor, &mark);
+        anchor
+    }
 }

@@ -5,14 +5,15 @@
 //! those buffers rather than re-uploaded into new ones. The write is an op on the device's
 //! stream (and, under fusion, on the fusion queue), so it is ordered before the next replay.
 
-use burn::backend::Dispatch;
+use burn::backend::fusion::custom::TensorSpec;
+use burn::backend::tensor::IntTensor;
+use burn::backend::{Backend, Dispatch, backend_extension};
 use burn::tensor::{DType, Int, Tensor, TensorData};
-use burn_cubecl::tensor::CubeTensor;
+use burn_cubecl::{CubeBackend, tensor::CubeTensor};
 use cubecl::bytes::Bytes;
 use cubecl::prelude::{CubeCount, CubeDim};
 
 use crate::KernelError;
-use crate::ops::KernelOps;
 
 /// Host values to write into a device buffer in place, `offset` elements in (see
 /// [`crate::write_ints`]).
@@ -175,4 +176,38 @@ pub(crate) fn write_cube(dst: CubeTensor, offset: usize, values: &[i32]) -> Cube
     let span = dst.handle.clone().offset_start(start).offset_end(end);
     dst.client.write(&span, Bytes::from_elems(values.to_vec()));
     dst
+}
+
+/// In-place writes of host values as a Burn backend extension (the `Fusion` wrapper is generated:
+/// each op is an opaque deferred operation on the fusion stream). Call it through this module's
+/// functions, which check arguments and fall back to plain Burn off CubeCL devices.
+#[backend_extension(Cube, Fusion)]
+pub trait HostWriteOps: Backend {
+    /// Writes `values` into `dst` (`[n]` i32, contiguous) from `values.offset` on, in place, and
+    /// returns it: the buffer keeps its address, so a captured graph that reads it sees them.
+    #[fusion(meta = write_ints_meta)]
+    fn write_ints(dst: IntTensor<Self>, values: HostInts) -> IntTensor<Self>;
+
+    /// `dst[pairs[2i]] = pairs[2i + 1]` for each pair of `pairs [2n]` (i32, indices below
+    /// `dst`'s length), in place; returns `dst`, which keeps its address.
+    #[fusion(meta = scatter_ints_meta)]
+    fn scatter_ints(dst: IntTensor<Self>, pairs: IntTensor<Self>) -> IntTensor<Self>;
+}
+
+fn write_ints_meta(dst: &TensorSpec, _values: &HostInts) -> TensorSpec {
+    dst.clone()
+}
+
+fn scatter_ints_meta(dst: &TensorSpec, _pairs: &TensorSpec) -> TensorSpec {
+    dst.clone()
+}
+
+impl HostWriteOps for CubeBackend {
+    fn write_ints(dst: IntTensor<Self>, values: HostInts) -> IntTensor<Self> {
+        write_cube(dst, values.offset, &values.values)
+    }
+
+    fn scatter_ints(dst: IntTensor<Self>, pairs: IntTensor<Self>) -> IntTensor<Self> {
+        scatter_cube(dst, pairs)
+    }
 }

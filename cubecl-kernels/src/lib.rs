@@ -42,6 +42,11 @@
 //! | [`mark_stream`] | a CUDA event on the device's stream behind everything enqueued (device timelines) |
 //! | [`UploadBuffer`] | host memory for an upload, filled in place: pinned on CUDA, so the upload makes no host copy |
 //! | [`read_ints_async`] | starts copying an `i32` buffer to the host behind the work that writes it; wait later |
+//!
+//! Each op family declares its Burn backend extension beside its kernels and implements it for
+//! CubeCL backends there ([`attention::AttentionOps`], [`rms_norm_linear::LinearOps`],
+//! [`silu_mul::SiluMulOps`], [`sampling::SamplingOps`], and the crate-private host-write,
+//! device-read and stream-mark ops); the functions above check arguments and call them.
 
 #![warn(missing_docs)]
 
@@ -56,7 +61,6 @@ mod gpu_timeline;
 mod host_upload;
 mod host_write;
 mod knobs;
-pub mod ops;
 pub mod rms_norm_linear;
 pub mod row_scale;
 pub mod sampling;

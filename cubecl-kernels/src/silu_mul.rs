@@ -13,16 +13,17 @@
 //! `cube_dim · held` vectors, `held` the largest of 4, 2, 1 that still gives two cubes per
 //! multiprocessor, so that a decode step's few rows spread over the device.
 
-use burn::backend::Dispatch;
 use burn::backend::cubecl::dtype_to_storage_type;
+use burn::backend::fusion::custom::TensorSpec;
+use burn::backend::tensor::FloatTensor;
+use burn::backend::{Backend, Dispatch, backend_extension};
 use burn::tensor::activation::silu;
 use burn::tensor::{Shape, Tensor};
-use burn_cubecl::{ops::numeric::empty_device_dtype, tensor::CubeTensor};
+use burn_cubecl::{CubeBackend, ops::numeric::empty_device_dtype, tensor::CubeTensor};
 use cubecl::prelude::{CubeCount, CubeDim};
 
 use self::kernel::{SiluMulConfig, silu_mul_kernel};
 use crate::device_caps::DeviceCaps;
-use crate::ops::KernelOps;
 use crate::row_scale::RowScale;
 use crate::{KernelError, unit_inner_stride, vector_size};
 
@@ -269,4 +270,46 @@ pub(crate) fn launch(
         );
     }
     out
+}
+
+/// `silu(gate)·up` as a Burn backend extension (the `Fusion` wrapper is generated: each op is an
+/// opaque deferred operation on the fusion stream). Call it through this module's functions, which
+/// check arguments and fall back to plain Burn off CubeCL devices.
+#[backend_extension(Cube, Fusion)]
+pub trait SiluMulOps: Backend {
+    /// `silu(gate)·up` of `gate_up [T, 2·I]` → `[T, I]`, its rows first scaled by `inv_rms(x)`
+    /// (`x [T, K]`) and biased (`bias [2·I]`) as `flags` says; absent operands are placeholders.
+    #[fusion(meta = silu_mul_meta)]
+    fn silu_mul(
+        gate_up: FloatTensor<Self>,
+        x: FloatTensor<Self>,
+        bias: FloatTensor<Self>,
+        eps: f32,
+        flags: SiluMulFlags,
+    ) -> FloatTensor<Self>;
+}
+
+fn silu_mul_meta(
+    gate_up: &TensorSpec,
+    _x: &TensorSpec,
+    _bias: &TensorSpec,
+    _eps: &f32,
+    _flags: &SiluMulFlags,
+) -> TensorSpec {
+    TensorSpec::new(
+        Shape::new([gate_up.shape[0], gate_up.shape[1] / 2]),
+        gate_up.dtype,
+    )
+}
+
+impl SiluMulOps for CubeBackend {
+    fn silu_mul(
+        gate_up: FloatTensor<Self>,
+        x: FloatTensor<Self>,
+        bias: FloatTensor<Self>,
+        eps: f32,
+        flags: SiluMulFlags,
+    ) -> FloatTensor<Self> {
+        launch(gate_up, x, bias, eps, flags)
+    }
 }

@@ -180,7 +180,7 @@ pub(crate) fn start(
         graph_memory,
     };
     let structured = StructuredOutputs::new(
-        dir.map(|d| d.join("tokenizer.json")).filter(|p| p.exists()),
+        tokenizer.clone(),
         eos_token_ids.clone(),
         model_config.vocab_size,
     );

@@ -10,11 +10,11 @@
 //! device runs the step's forward pass. Unconstrained rows take no part in any of it.
 
 use std::collections::HashMap;
-use std::path::Path;
 use std::sync::{Arc, Mutex};
 
 use llguidance::api::TopLevelGrammar;
 use llguidance::{Matcher, ParserFactory};
+use model_qwen2::Qwen2Tokenizer;
 use rayon::prelude::*;
 use toktrie_hf_tokenizers::ByteTokenizer;
 
@@ -187,17 +187,23 @@ impl GrammarCache {
 }
 
 impl GrammarCompiler {
-    /// Reads `tokenizer.json`; `eos_token_ids` end a constrained output once its grammar is
-    /// complete; `vocab_size` is the model's (logits) vocabulary, at least the tokenizer's.
-    pub fn new(tokenizer_json: &Path, eos_token_ids: &[u32], vocab_size: usize) -> Result<Self> {
+    /// Over `tokenizer`'s vocabulary (with the added tokens of its `tokenizer_config.json`);
+    /// `eos_token_ids` end a constrained output once its grammar is complete; `vocab_size` is
+    /// the model's (logits) vocabulary, at least the tokenizer's.
+    pub fn new(
+        tokenizer: &Qwen2Tokenizer,
+        eos_token_ids: &[u32],
+        vocab_size: usize,
+    ) -> Result<Self> {
         let failed = |e: String| {
-            EngineError::Model(model_qwen2::ModelError::Parse {
-                path: tokenizer_json.to_path_buf(),
-                message: format!("structured outputs cannot use this tokenizer: {e}"),
-            })
+            EngineError::param(
+                "structured_output",
+                format!("structured outputs cannot use this tokenizer: {e}"),
+            )
         };
+        let json = tokenizer.to_json()?;
         let mut tokenizer =
-            ByteTokenizer::from_file(tokenizer_json).map_err(|e| failed(e.to_string()))?;
+            ByteTokenizer::from_json_bytes(json.as_bytes()).map_err(|e| failed(e.to_string()))?;
         if !eos_token_ids.is_empty() {
             tokenizer.set_eos_tokens(eos_token_ids);
         }
@@ -379,7 +385,7 @@ pub fn accept_tokens(
 /// The engine's constrained requests and their compiler (built on the first constrained
 /// request: unconstrained use pays nothing).
 pub(crate) struct StructuredOutputs {
-    tokenizer_json: Option<std::path::PathBuf>,
+    tokenizer: Option<Arc<Qwen2Tokenizer>>,
     eos_token_ids: Vec<u32>,
     vocab_size: usize,
     compiler: Option<Arc<GrammarCompiler>>,
@@ -388,12 +394,12 @@ pub(crate) struct StructuredOutputs {
 
 impl StructuredOutputs {
     pub(crate) fn new(
-        tokenizer_json: Option<std::path::PathBuf>,
+        tokenizer: Option<Arc<Qwen2Tokenizer>>,
         eos_token_ids: Vec<u32>,
         vocab_size: usize,
     ) -> Self {
         Self {
-            tokenizer_json,
+            tokenizer,
             eos_token_ids,
             vocab_size,
             compiler: None,
@@ -406,7 +412,7 @@ impl StructuredOutputs {
         if let Some(c) = &self.compiler {
             return Ok(c.clone());
         }
-        let path = self.tokenizer_json.as_ref().ok_or_else(|| {
+        let tokenizer = self.tokenizer.as_ref().ok_or_else(|| {
             EngineError::param(
                 "structured_output",
                 "structured outputs need the model's tokenizer.json, which this model folder \
@@ -415,7 +421,7 @@ impl StructuredOutputs {
             )
         })?;
         let c = Arc::new(GrammarCompiler::new(
-            path,
+            tokenizer,
             &self.eos_token_ids,
             self.vocab_size,
         )?);

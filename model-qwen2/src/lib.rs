@@ -28,6 +28,7 @@ mod error;
 mod kv_cache;
 pub mod layers;
 mod model;
+pub mod tensor_parallel;
 mod tokenizer;
 mod weights;
 
@@ -36,5 +37,6 @@ pub use cubecl_kernels::AttentionMetadata;
 pub use error::{ModelError, Result};
 pub use kv_cache::KvCache;
 pub use model::{LogitsRows, Qwen2Model};
+pub use tensor_parallel::{AllReduce, HostAllReduce, Parallel, TpRank};
 pub use tokenizer::{ChatMessage, Qwen2Tokenizer};
 pub use weights::{Checkpoint, RawTensor};

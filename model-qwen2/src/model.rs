@@ -12,6 +12,7 @@ use crate::kv_cache::KvCache;
 use crate::layers::{
     Linear, Qwen2Attention, Qwen2DecoderLayer, Qwen2Mlp, RmsNorm, RotaryEmbedding,
 };
+use crate::tensor_parallel::{Parallel, TpRank};
 use crate::weights::Checkpoint;
 
 /// Which rows of the flattened batch get logits.
@@ -67,20 +68,47 @@ impl Qwen2Model {
         dtype: DType,
         device: &Device,
     ) -> Result<Self> {
-        cubecl_kernels::persistent(device, (config, ckpt), |(config, ckpt)| {
-            Self::read_checkpoint(config, ckpt, dtype, device)
-        })
+        Self::from_checkpoint_part(config, ckpt, None, dtype, device)
+    }
+
+    /// [`Self::from_checkpoint`] of one tensor-parallel rank (`parallel`: its place and its
+    /// collective; `None`: the whole model): the rank's shares of the layers' products (see
+    /// [`crate::tensor_parallel`]), read from the checkpoint as slices, and a
+    /// [`Self::config`] of its own heads and intermediate width.
+    pub fn from_checkpoint_part(
+        config: Qwen2Config,
+        ckpt: &mut Checkpoint,
+        parallel: Option<Parallel>,
+        dtype: DType,
+        device: &Device,
+    ) -> Result<Self> {
+        cubecl_kernels::persistent(
+            device,
+            (config, ckpt, parallel),
+            |(config, ckpt, parallel)| Self::read_checkpoint(config, ckpt, parallel, dtype, device),
+        )
     }
 
     fn read_checkpoint(
         config: Qwen2Config,
         ckpt: &mut Checkpoint,
+        parallel: Option<Parallel>,
         dtype: DType,
         device: &Device,
     ) -> Result<Self> {
         let c = &config;
         let (h, i, d) = (c.hidden_size, c.intermediate_size, c.head_dim);
         let (q, kv) = (c.q_size(), c.kv_size());
+        let tp = match &parallel {
+            Some(p) => TpRank::new(p.rank.rank, p.rank.size, c)?,
+            None => TpRank::SINGLE,
+        };
+        let heads = tp.heads(c);
+        let q_rows = heads.start * d..heads.end * d;
+        let kv_heads = tp.kv_heads(c);
+        let kv_rows = kv_heads.start * d..kv_heads.end * d;
+        let inner = tp.intermediate(c);
+        let local = tp.local_config(c);
         let embed = ckpt.tensor(
             "model.embed_tokens.weight",
             [c.vocab_size, h],
@@ -97,21 +125,21 @@ impl Qwen2Model {
         for l in 0..c.num_hidden_layers {
             let p = format!("model.layers.{l}");
             let attn = format!("{p}.self_attn");
-            let qkv_w = ckpt.concat(
+            let qkv_w = ckpt.concat_parts(
                 &[
-                    (&format!("{attn}.q_proj.weight"), [q, h]),
-                    (&format!("{attn}.k_proj.weight"), [kv, h]),
-                    (&format!("{attn}.v_proj.weight"), [kv, h]),
+                    (&format!("{attn}.q_proj.weight"), [q, h], q_rows.clone()),
+                    (&format!("{attn}.k_proj.weight"), [kv, h], kv_rows.clone()),
+                    (&format!("{attn}.v_proj.weight"), [kv, h], kv_rows.clone()),
                 ],
                 dtype,
                 device,
             )?;
             let qkv_b = if c.attention_bias {
-                Some(ckpt.concat(
+                Some(ckpt.concat_parts(
                     &[
-                        (&format!("{attn}.q_proj.bias"), [q]),
-                        (&format!("{attn}.k_proj.bias"), [kv]),
-                        (&format!("{attn}.v_proj.bias"), [kv]),
+                        (&format!("{attn}.q_proj.bias"), [q], q_rows.clone()),
+                        (&format!("{attn}.k_proj.bias"), [kv], kv_rows.clone()),
+                        (&format!("{attn}.v_proj.bias"), [kv], kv_rows.clone()),
                     ],
                     dtype,
                     device,
@@ -127,16 +155,28 @@ impl Qwen2Model {
             } else {
                 (None, None)
             };
-            let o_proj = ckpt.tensor(&format!("{attn}.o_proj.weight"), [h, q], dtype, device)?;
-            let gate_up = ckpt.concat(
+            let o_proj = ckpt.tensor_part(
+                &format!("{attn}.o_proj.weight"),
+                [h, q],
+                (1, q_rows.clone()),
+                dtype,
+                device,
+            )?;
+            let gate_up = ckpt.concat_parts(
                 &[
-                    (&format!("{p}.mlp.gate_proj.weight"), [i, h]),
-                    (&format!("{p}.mlp.up_proj.weight"), [i, h]),
+                    (&format!("{p}.mlp.gate_proj.weight"), [i, h], inner.clone()),
+                    (&format!("{p}.mlp.up_proj.weight"), [i, h], inner.clone()),
                 ],
                 dtype,
                 device,
             )?;
-            let down = ckpt.tensor(&format!("{p}.mlp.down_proj.weight"), [h, i], dtype, device)?;
+            let down = ckpt.tensor_part(
+                &format!("{p}.mlp.down_proj.weight"),
+                [h, i],
+                (1, inner.clone()),
+                dtype,
+                device,
+            )?;
             // Older exports carry RoPE buffers; they are recomputed, never read.
             let _ = ckpt.raw(&format!("{attn}.rotary_emb.inv_freq"), &[d / 2]);
             layers.push(
@@ -147,8 +187,8 @@ impl Qwen2Model {
                         o_proj: Linear::new(o_proj, None),
                         q_norm,
                         k_norm,
-                        num_heads: c.num_attention_heads,
-                        num_kv_heads: c.num_key_value_heads,
+                        num_heads: local.num_attention_heads,
+                        num_kv_heads: local.num_key_value_heads,
                         head_dim: d,
                     },
                     post_attention_layernorm: norm(
@@ -160,6 +200,7 @@ impl Qwen2Model {
                         gate_up_proj: Linear::new(gate_up, None),
                         down_proj: Linear::new(down, None),
                     },
+                    parallel: parallel.clone(),
                 }
                 .fold_norm_gains(),
             );
@@ -173,7 +214,7 @@ impl Qwen2Model {
             ckpt.tensor("lm_head.weight", [c.vocab_size, h], dtype, device)?
         };
         Ok(Self::assemble(
-            config, embed, layers, final_norm, lm_head, device,
+            local, embed, layers, final_norm, lm_head, device,
         ))
     }
 
@@ -220,6 +261,7 @@ impl Qwen2Model {
                     gate_up_proj: Linear::new(normal([2 * i, h]), None),
                     down_proj: Linear::new(normal([h, i]), None),
                 },
+                parallel: None,
             })
             .map(Qwen2DecoderLayer::fold_norm_gains)
             .collect();
@@ -281,9 +323,15 @@ impl Qwen2Model {
         ))
     }
 
-    /// Embedding lookup. `input_ids [T]` → `[T, H]`.
+    /// Embedding lookup. `input_ids [T]` → `[T, H]`. Ids are clamped into the table on the
+    /// device first: the gather reads unchecked, and a drawn id fed back without a host round
+    /// trip is checked on the host only after the step that reads it (the request is failed
+    /// there; the device never reads out of bounds).
     pub fn embed(&self, input_ids: Tensor<1, Int>) -> Tensor<2> {
-        self.embed_tokens.val().select(0, input_ids)
+        let rows = self.embed_tokens.val().dims()[0] as i64;
+        self.embed_tokens
+            .val()
+            .select(0, input_ids.clamp(0, rows - 1))
     }
 
     /// Runs the decoder over a flattened batch and returns f32 logits.

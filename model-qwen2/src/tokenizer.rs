@@ -44,6 +44,28 @@ pub struct Qwen2Tokenizer {
     bos_token: Option<String>,
     eos_token: Option<String>,
     max_token_bytes: usize,
+    splits_at_spaces: bool,
+}
+
+/// The split pattern of Qwen's pre-tokenizer (GPT-4's, as in Qwen2/2.5/3 `tokenizer.json`).
+const QWEN_SPLIT: &str = r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+";
+
+/// True when `inner` splits text with Qwen's pattern and normalizes at most by NFC, so that a
+/// cut before a space that follows a non-space is a split point (see
+/// [`Qwen2Tokenizer::prefix_split`]).
+fn splits_at_spaces(inner: &tokenizers::Tokenizer) -> bool {
+    let pre = inner
+        .get_pre_tokenizer()
+        .and_then(|p| serde_json::to_string(p).ok())
+        .unwrap_or_default();
+    let normalizer = inner
+        .get_normalizer()
+        .and_then(|n| serde_json::to_value(n).ok());
+    let nfc = normalizer
+        .as_ref()
+        .is_none_or(|n| n.get("type").and_then(Value::as_str) == Some("NFC"));
+    let pattern = serde_json::to_string(QWEN_SPLIT).unwrap_or_default();
+    nfc && pre.contains(&pattern) && pre.contains("Isolated")
 }
 
 impl Qwen2Tokenizer {
@@ -67,6 +89,7 @@ impl Qwen2Tokenizer {
             .max()
             .unwrap_or(1);
         let mut tok = Self {
+            splits_at_spaces: splits_at_spaces(&inner),
             inner,
             chat_template: None,
             bos_token: None,
@@ -82,6 +105,10 @@ impl Qwen2Tokenizer {
             let config: Value = serde_json::from_str(&text).map_err(|e| ModelError::Parse {
                 path: config_path.clone(),
                 message: e.to_string(),
+            })?;
+            add_config_tokens(&mut tok.inner, &config).map_err(|message| ModelError::Parse {
+                path: config_path.clone(),
+                message,
             })?;
             tok.chat_template = template_from_config(&config);
             tok.bos_token = token_string(config.get("bos_token"));
@@ -122,6 +149,30 @@ impl Qwen2Tokenizer {
         self.max_token_bytes
     }
 
+    /// The last byte index `i ≤ limit` at which `text[..i]` tokenizes to the first tokens of
+    /// `text`, whatever follows: before an ASCII space that follows an ASCII character other
+    /// than whitespace. (No piece of Qwen's split pattern holds a non-space followed by a
+    /// space, NFC never composes across a space, and no added token holds one.) `None` when
+    /// the window has no such point or the tokenizer does not split as Qwen's does.
+    pub fn prefix_split(&self, text: &str, limit: usize) -> Option<usize> {
+        if !self.splits_at_spaces {
+            return None;
+        }
+        let bytes = text.as_bytes();
+        let end = limit.min(bytes.len().saturating_sub(1));
+        (1..=end).rev().find(|&i| {
+            bytes[i] == b' ' && bytes[i - 1].is_ascii() && !bytes[i - 1].is_ascii_whitespace()
+        })
+    }
+
+    /// The tokenizer as `tokenizer.json` text, with the added tokens of
+    /// `tokenizer_config.json` (the structured-output compiler builds its token trie from it).
+    pub fn to_json(&self) -> Result<String> {
+        self.inner
+            .to_string(false)
+            .map_err(|e| ModelError::Tokenizer(e.to_string()))
+    }
+
     /// Id of a token string such as `<|im_end|>`.
     pub fn token_to_id(&self, token: &str) -> Option<u32> {
         self.inner.token_to_id(token)
@@ -156,6 +207,20 @@ impl Qwen2Tokenizer {
         tools: Option<&Value>,
         add_generation_prompt: bool,
     ) -> Result<String> {
+        self.render_chat_template(messages, tools, None, add_generation_prompt)
+    }
+
+    /// [`Qwen2Tokenizer::apply_chat_template_with_tools`] with extra template variables
+    /// (`kwargs`, a JSON object: transformers' and vLLM's `chat_template_kwargs`, such as
+    /// Qwen3's `enable_thinking`); `messages`, `tools`, `add_generation_prompt` and the
+    /// special-token names take precedence over keys of the same name.
+    pub fn render_chat_template(
+        &self,
+        messages: &[ChatMessage],
+        tools: Option<&Value>,
+        kwargs: Option<&Value>,
+        add_generation_prompt: bool,
+    ) -> Result<String> {
         let template = self.chat_template.as_deref().ok_or_else(|| {
             ModelError::Tokenizer("tokenizer_config.json has no chat_template".into())
         })?;
@@ -164,6 +229,7 @@ impl Qwen2Tokenizer {
         env.set_trim_blocks(true);
         env.set_lstrip_blocks(true);
         env.set_unknown_method_callback(minijinja_contrib::pycompat::unknown_method_callback);
+        env.add_filter("tojson", python_tojson);
         env.add_function(
             "raise_exception",
             |msg: String| -> std::result::Result<String, JinjaError> {
@@ -180,9 +246,136 @@ impl Qwen2Tokenizer {
                     add_generation_prompt => add_generation_prompt,
                     bos_token => self.bos_token.clone().unwrap_or_default(),
                     eos_token => self.eos_token.clone().unwrap_or_default(),
+                    ..minijinja::Value::from_serialize(kwargs)
                 })
             })
             .map_err(render_err)
+    }
+}
+
+/// Adds the tokens of `tokenizer_config.json`'s `added_tokens_decoder` that `tokenizer.json`
+/// lacks, as transformers does (the config is its source of truth for added tokens: a
+/// checkpoint may list there tokens its `tokenizer.json` predates). Each must land on its
+/// listed id, which holds when they follow the vocabulary in order.
+fn add_config_tokens(
+    inner: &mut tokenizers::Tokenizer,
+    config: &Value,
+) -> std::result::Result<(), String> {
+    let Some(decoder) = config
+        .get("added_tokens_decoder")
+        .and_then(Value::as_object)
+    else {
+        return Ok(());
+    };
+    let mut missing: Vec<(u32, tokenizers::AddedToken)> = Vec::new();
+    for (id, entry) in decoder {
+        let id: u32 = id
+            .parse()
+            .map_err(|_| format!("added_tokens_decoder: {id:?} is not a token id"))?;
+        let content = entry
+            .get("content")
+            .and_then(Value::as_str)
+            .ok_or_else(|| format!("added_tokens_decoder[{id}] has no content"))?;
+        match inner.token_to_id(content) {
+            Some(have) if have == id => continue,
+            Some(have) => {
+                return Err(format!(
+                    "added_tokens_decoder gives {content:?} id {id}; tokenizer.json gives {have}"
+                ));
+            }
+            None => {}
+        }
+        let flag = |name: &str| entry.get(name).and_then(Value::as_bool).unwrap_or(false);
+        let token = tokenizers::AddedToken::from(content, flag("special"))
+            .single_word(flag("single_word"))
+            .lstrip(flag("lstrip"))
+            .rstrip(flag("rstrip"))
+            .normalized(flag("normalized"));
+        missing.push((id, token));
+    }
+    missing.sort_by_key(|(id, _)| *id);
+    for (id, token) in missing {
+        let content = token.content.clone();
+        match token.special {
+            true => inner.add_special_tokens(&[token]),
+            false => inner.add_tokens(&[token]),
+        };
+        let got = inner.token_to_id(&content);
+        if got != Some(id) {
+            return Err(format!(
+                "added_tokens_decoder gives {content:?} id {id}, but it follows the vocabulary \
+                 at {got:?}"
+            ));
+        }
+    }
+    Ok(())
+}
+
+/// transformers' `tojson` filter: `json.dumps(value, ensure_ascii=False, indent=indent)`, so
+/// Python's separators (`", "`, `": "`) and no escaping of `<`, `>`, `&`, `'` (minijinja's own
+/// filter writes compact, HTML-safe JSON: a tool list the model never saw in training).
+fn python_tojson(
+    value: minijinja::Value,
+    indent: Option<usize>,
+    kwargs: minijinja::value::Kwargs,
+) -> std::result::Result<String, JinjaError> {
+    let indent = match indent {
+        Some(n) => Some(n),
+        None => kwargs.get::<Option<usize>>("indent")?,
+    };
+    let json = serde_json::to_value(&value)
+        .map_err(|e| JinjaError::new(ErrorKind::InvalidOperation, e.to_string()))?;
+    let mut out = Vec::new();
+    let written = match indent {
+        Some(n) => {
+            let pad = " ".repeat(n);
+            let formatter = serde_json::ser::PrettyFormatter::with_indent(pad.as_bytes());
+            json.serialize(&mut serde_json::Serializer::with_formatter(
+                &mut out, formatter,
+            ))
+        }
+        None => json.serialize(&mut serde_json::Serializer::with_formatter(
+            &mut out,
+            PythonSeparators,
+        )),
+    };
+    written.map_err(|e| JinjaError::new(ErrorKind::InvalidOperation, e.to_string()))?;
+    String::from_utf8(out).map_err(|e| JinjaError::new(ErrorKind::InvalidOperation, e.to_string()))
+}
+
+/// `json.dumps`' default separators: `", "` between items, `": "` after keys.
+struct PythonSeparators;
+
+impl serde_json::ser::Formatter for PythonSeparators {
+    fn begin_array_value<W: ?Sized + std::io::Write>(
+        &mut self,
+        writer: &mut W,
+        first: bool,
+    ) -> std::io::Result<()> {
+        if first {
+            Ok(())
+        } else {
+            writer.write_all(b", ")
+        }
+    }
+
+    fn begin_object_key<W: ?Sized + std::io::Write>(
+        &mut self,
+        writer: &mut W,
+        first: bool,
+    ) -> std::io::Result<()> {
+        if first {
+            Ok(())
+        } else {
+            writer.write_all(b", ")
+        }
+    }
+
+    fn begin_object_value<W: ?Sized + std::io::Write>(
+        &mut self,
+        writer: &mut W,
+    ) -> std::io::Result<()> {
+        writer.write_all(b": ")
     }
 }
 

@@ -127,6 +127,20 @@ impl Checkpoint {
         })
     }
 
+    /// Tensor `name`, checked against its whole `shape`, then the part `range` of dimension
+    /// `dim` (a tensor-parallel rank's share), converted to `dtype` on `device`.
+    pub fn tensor_part<const D: usize>(
+        &mut self,
+        name: &str,
+        shape: [usize; D],
+        (dim, range): (usize, std::ops::Range<usize>),
+        dtype: DType,
+        device: &Device,
+    ) -> Result<Tensor<D>> {
+        let raw = self.raw(name, &shape)?.slice(dim, range);
+        Ok(raw.into_tensor(dtype, device))
+    }
+
     /// Tensor `name`, checked against `shape`, converted to `dtype` on `device`.
     pub fn tensor<const D: usize>(
         &mut self,
@@ -147,9 +161,24 @@ impl Checkpoint {
         dtype: DType,
         device: &Device,
     ) -> Result<Tensor<D>> {
+        let whole: Vec<_> = parts
+            .iter()
+            .map(|&(name, shape)| (name, shape, 0..shape[0]))
+            .collect();
+        self.concat_parts(&whole, dtype, device)
+    }
+
+    /// [`Checkpoint::concat`] of the rows `range` of each tensor (a tensor-parallel rank's
+    /// share of each merged part); each tensor checked against its whole `shape`.
+    pub fn concat_parts<const D: usize>(
+        &mut self,
+        parts: &[(&str, [usize; D], std::ops::Range<usize>)],
+        dtype: DType,
+        device: &Device,
+    ) -> Result<Tensor<D>> {
         let mut raws = Vec::with_capacity(parts.len());
-        for (name, shape) in parts {
-            raws.push(self.raw(name, shape)?);
+        for (name, shape, rows) in parts {
+            raws.push(self.raw(name, shape)?.slice(0, rows.clone()));
         }
         let src = raws[0].dtype;
         if raws.iter().any(|r| r.dtype != src) {
@@ -185,6 +214,38 @@ impl Checkpoint {
 }
 
 impl RawTensor {
+    /// The part `range` of dimension `dim` (a tensor-parallel rank's rows or columns), cut on
+    /// the host.
+    ///
+    /// # Panics
+    /// If `dim` or `range` is outside the shape.
+    pub fn slice(self, dim: usize, range: std::ops::Range<usize>) -> Self {
+        let (len, size) = (self.shape[dim], self.dtype.size());
+        assert!(
+            range.end <= len && range.start <= range.end,
+            "slice {range:?} of {len}"
+        );
+        if range == (0..len) {
+            return self;
+        }
+        let inner: usize = self.shape[dim + 1..].iter().product::<usize>() * size;
+        let outer: usize = self.shape[..dim].iter().product();
+        let mut bytes = Vec::with_capacity(outer * range.len() * inner);
+        for o in 0..outer {
+            let base = o * len * inner;
+            bytes.extend_from_slice(
+                &self.bytes[base + range.start * inner..base + range.end * inner],
+            );
+        }
+        let mut shape = self.shape;
+        shape[dim] = range.len();
+        Self {
+            bytes,
+            dtype: self.dtype,
+            shape,
+        }
+    }
+
     /// Uploads the bytes, converting to `dtype` on the host first.
     pub fn into_tensor<const D: usize>(self, dtype: DType, device: &Device) -> Tensor<D> {
         let data = TensorData::from_bytes_vec(self.bytes, self.shape, self.dtype);

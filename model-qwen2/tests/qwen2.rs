@@ -6,5 +6,6 @@ mod qwen2 {
     mod config;
     mod loader;
     mod parity;
+    mod tensor_parallel;
     mod tokenizer;
 }

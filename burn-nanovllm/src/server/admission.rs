@@ -35,7 +35,7 @@ pub struct Admitted {
 pub async fn admit(
     s: &Shared,
     endpoint: Endpoint,
-    req: OpenAiRequest,
+    mut req: OpenAiRequest,
 ) -> Result<Admitted, ApiError> {
     check_model(s, req.model.as_deref())?;
     log_unknown_fields(&req.unknown);
@@ -66,8 +66,9 @@ pub async fn admit(
     }
     let prompt = req.prompt(endpoint)?;
     let tools = req.template_tools();
+    let kwargs = req.chat_template_kwargs.take().map(Value::Object);
     drop(req);
-    let prompt = tokenize(prompt, tools, s).await?;
+    let prompt = tokenize(prompt, tools, kwargs, s).await?;
     let max_model_len = info.max_model_len;
     match max_tokens {
         None => params.max_tokens = max_model_len.saturating_sub(prompt.len()).max(1),
@@ -223,10 +224,11 @@ pub fn check_model(s: &AppState, model: Option<&str>) -> Result<(), ApiError> {
 }
 
 /// Token ids of a request's prompt: token ids as given, text tokenized, a conversation
-/// through the chat template (with `tools`).
+/// through the chat template (with `tools` and the request's extra template variables).
 pub async fn tokenize(
     prompt: PromptSpec,
     tools: Option<Value>,
+    kwargs: Option<Value>,
     s: &AppState,
 ) -> Result<Vec<u32>, ApiError> {
     match prompt {
@@ -236,7 +238,7 @@ pub async fn tokenize(
             let text = s
                 .tokenizer
                 .tokenizer("messages")?
-                .apply_chat_template_with_tools(&messages, tools.as_ref(), true)
+                .render_chat_template(&messages, tools.as_ref(), kwargs.as_ref(), true)
                 .map_err(|e| ApiError::bad_request(e.to_string(), Some("messages".into())))?;
             drop(messages);
             s.tokenizer.encode(text, "messages").await

@@ -70,6 +70,9 @@ pub struct OpenAiRequest {
     pub allowed_token_ids: Option<Vec<u32>>,
     /// vLLM: words never generated (tokenized with and without a leading space).
     pub bad_words: Option<Vec<String>>,
+    /// Chat (vLLM, transformers): extra variables for the chat template, such as Qwen3's
+    /// `{"enable_thinking": false}`.
+    pub chat_template_kwargs: Option<serde_json::Map<String, Value>>,
     /// Fields this server does not know: ignored, each name logged once (as vLLM does).
     #[serde(flatten)]
     pub unknown: std::collections::BTreeMap<String, Value>,

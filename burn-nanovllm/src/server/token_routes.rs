@@ -6,7 +6,7 @@ use axum::extract::State;
 use axum::extract::rejection::BytesRejection;
 use axum::response::{IntoResponse, Response};
 use serde::Deserialize;
-use serde_json::json;
+use serde_json::{Value, json};
 
 use super::admission::{check_model, tokenize};
 use super::error::ApiError;
@@ -35,7 +35,8 @@ pub async fn tokenize_route(
         };
         let prompt = req.prompt(endpoint)?;
         let tools = req.template_tools();
-        let ids = tokenize(prompt, tools, &s).await?;
+        let kwargs = req.chat_template_kwargs.map(Value::Object);
+        let ids = tokenize(prompt, tools, kwargs, &s).await?;
         Ok::<_, ApiError>(json!({
             "count": ids.len(),
             "max_model_len": s.engine.info.max_model_len,

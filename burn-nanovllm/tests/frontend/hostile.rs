@@ -79,7 +79,8 @@ async fn complete(base: &str, body: String) -> (u16, Value) {
     (r.status().as_u16(), r.json().await.unwrap())
 }
 
-/// Four ~1 MB prompts (each ~250k tokens: tokenized, then refused as longer than
+/// Four ~1 MB prompts (each ~250k tokens, one word a line: with no space to cut at, the prefix
+/// probe passes them on, so they are tokenized whole, then refused as longer than
 /// max_model_len = 4096) and a 4-token request sent just after them: the short one is answered
 /// before any long one, and after three such bursts the server's memory is back near where it
 /// started.
@@ -103,8 +104,9 @@ async fn long_prompts_neither_stall_others_nor_keep_their_memory() {
     let (status, v) = complete(&base, short.clone()).await;
     assert_eq!(status, 200, "{v}");
     let baseline = server.rss();
-    let long = json!({"prompt": "the quick brown fox jumps over the lazy dog ".repeat(24_000)})
-        .to_string();
+    let long =
+        json!({"prompt": "the\nquick\nbrown\nfox\njumps\nover\nthe\nlazy\ndog\n".repeat(24_000)})
+            .to_string();
     let mut peak_growth = 0;
     for burst in 0..3 {
         let order = Arc::new(AtomicUsize::new(0));
@@ -135,6 +137,7 @@ async fn long_prompts_neither_stall_others_nor_keep_their_memory() {
             assert_eq!(v["error"]["param"], "prompt", "{v}");
             let message = v["error"]["message"].as_str().unwrap();
             assert!(message.contains("max_model_len = 4096"), "{message}");
+            assert!(!message.contains("already hold"), "{message}");
             assert!(
                 place > short_place,
                 "burst {burst}: a long prompt was answered first"
@@ -149,4 +152,53 @@ async fn long_prompts_neither_stall_others_nor_keep_their_memory() {
         growth >> 20
     );
     assert!(growth < 96 << 20, "the server kept {} MiB", growth >> 20);
+}
+
+/// A 32k context at the checkpoint's own `max_model_len` (the fixture's config with
+/// `max_position_embeddings` = 32,768, `serve`'s default): a prompt of 3.9 MiB of words (under
+/// the 4 MiB body limit, under the sound bound of 32,768 × 256 × 4 bytes) is refused by the
+/// tokens of its first 512 KiB, and a short request is answered after it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_prompt_too_long_for_a_32k_context_is_refused_by_its_prefix() {
+    let fixture = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../fixtures/qwen2-tiny-tied");
+    let model = std::env::temp_dir().join(format!("burn-nanovllm-32k-{}", std::process::id()));
+    std::fs::create_dir_all(&model).unwrap();
+    for file in [
+        "model.safetensors",
+        "tokenizer.json",
+        "tokenizer_config.json",
+        "generation_config.json",
+    ] {
+        std::fs::copy(fixture.join(file), model.join(file)).unwrap();
+    }
+    let mut config: Value =
+        serde_json::from_str(&std::fs::read_to_string(fixture.join("config.json")).unwrap())
+            .unwrap();
+    config["max_position_embeddings"] = json!(32768);
+    std::fs::write(model.join("config.json"), config.to_string()).unwrap();
+    let server =
+        ServeProcess::start(&["--model", model.to_str().unwrap(), "--num-kv-blocks", "64"]);
+    let base = server.base.clone();
+    let words = "the quick brown fox jumps over the lazy dog ".repeat(93_000);
+    let body = json!({"prompt": words, "max_tokens": 1}).to_string();
+    assert!(body.len() < 4 << 20);
+    let (status, v) = tokio::time::timeout(Duration::from_secs(120), complete(&base, body))
+        .await
+        .expect("the long prompt is answered");
+    assert_eq!(status, 400, "{v}");
+    assert_eq!(v["error"]["param"], "prompt", "{v}");
+    let message = v["error"]["message"].as_str().unwrap();
+    assert!(
+        message.contains(
+            "its first 524285 of 4092000 bytes already hold more than \
+             max_model_len = 32768 tokens"
+        ),
+        "{message}"
+    );
+    let short = json!({"prompt": "The sea", "max_tokens": 4, "ignore_eos": true}).to_string();
+    let (status, v) = complete(&base, short).await;
+    assert_eq!(status, 200, "{v}");
+    assert_eq!(v["usage"]["completion_tokens"], 4);
+    drop(server);
+    let _ = std::fs::remove_dir_all(&model);
 }

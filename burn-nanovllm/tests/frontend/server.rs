@@ -93,13 +93,23 @@ pub(super) async fn spawn_server(
 /// A server over `fixtures/qwen2-tiny-tied`: the real Qwen2 vocabulary (151,936 tokens, its
 /// added tokens and chat template), random weights; room for the tools' system prompt.
 pub(super) async fn qwen_vocabulary_server() -> TestServer {
-    let make = || {
+    real_vocabulary_server(TOKENIZED).await
+}
+
+/// The same weights with a Qwen3-style tokenizer (`fixtures/qwen2-tiny-qwen3-chat`: `<think>`,
+/// `</think>`, `<tool_response>` added by its config, Qwen3's chat template).
+pub(super) async fn qwen3_chat_server() -> TestServer {
+    real_vocabulary_server("qwen2-tiny-qwen3-chat").await
+}
+
+async fn real_vocabulary_server(model: &'static str) -> TestServer {
+    let make = move || {
         let config = EngineConfig {
             max_model_len: Some(2048),
             num_kv_blocks: Some(512),
             ..engine_config()
         };
-        Ok(LLMEngine::new(fixture(), config)?)
+        Ok(LLMEngine::new(fixture_named(model), config)?)
     };
     spawn_server(make, config()).await.0
 }

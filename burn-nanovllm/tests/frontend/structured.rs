@@ -16,7 +16,7 @@ use tokio_stream::StreamExt;
 
 use super::server::{
     KEY, MODEL, TestServer, client, config, engine_config, post, qwen_vocabulary_server,
-    spawn_server,
+    qwen3_chat_server, spawn_server,
 };
 
 async fn default_model_server() -> TestServer {
@@ -248,6 +248,14 @@ async fn tool_calls_come_back_as_openai_tool_calls_whole_and_streamed() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn tool_calls_work_with_the_real_qwen_vocabulary() {
     check_tool_calls(&qwen_vocabulary_server().await, 600).await;
+}
+
+/// The same with a Qwen3-style tokenizer and template (`<think>` and `</think>` added tokens,
+/// tool results as `<tool_response>` blocks in a user turn): a forced call never draws a
+/// thinking token it does not name.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn tool_calls_work_with_a_qwen3_style_tokenizer() {
+    check_tool_calls(&qwen3_chat_server().await, 600).await;
 }
 
 /// Tool calls forced (`required`, named) come back as `tool_calls` whole and streamed, `auto`

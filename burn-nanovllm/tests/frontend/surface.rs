@@ -5,7 +5,9 @@
 
 use serde_json::{Value, json};
 
-use super::server::{KEY, MODEL, TestServer, config, post, qwen_vocabulary_server, start};
+use super::server::{
+    KEY, MODEL, TestServer, config, post, qwen_vocabulary_server, qwen3_chat_server, start,
+};
 
 async fn json_of(s: &TestServer, path: &str, body: Value) -> (u16, Value) {
     let r = post(s, path, &body.to_string(), Some(KEY)).await;
@@ -329,4 +331,60 @@ async fn n_completions_share_their_prompt() {
         let (status, v) = completion(&s, extra).await;
         assert_eq!((status, v["error"]["param"].clone()), (400, json!(field)));
     }
+}
+
+/// `chat_template_kwargs` reach the template (vLLM's field): Qwen3's `enable_thinking: false`
+/// ends the prompt with an empty thinking block, through `/tokenize` and a chat completion,
+/// whose prompt tokens count it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn chat_template_kwargs_reach_the_template() {
+    let s = qwen3_chat_server().await;
+    let messages = json!([{"role": "user", "content": "Hi!"}]);
+    let tokens = |v: &Value| -> Vec<u64> {
+        v["tokens"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|t| t.as_u64().unwrap())
+            .collect()
+    };
+    let (status, plain) = json_of(
+        &s,
+        "/tokenize",
+        json!({"model": MODEL, "messages": messages}),
+    )
+    .await;
+    assert_eq!(status, 200, "{plain}");
+    let plain = tokens(&plain);
+    // <|im_start|> assistant \n
+    assert_eq!(plain[plain.len() - 3..], [151644, 77091, 198]);
+    let kwargs = json!({"enable_thinking": false});
+    let (status, off) = json_of(
+        &s,
+        "/tokenize",
+        json!({"model": MODEL, "messages": messages, "chat_template_kwargs": kwargs}),
+    )
+    .await;
+    assert_eq!(status, 200, "{off}");
+    // … <think> \n\n </think> \n\n
+    assert_eq!(
+        tokens(&off),
+        [&plain[..], &[151667, 271, 151668, 271]].concat()
+    );
+    let (status, v) = json_of(
+        &s,
+        "/v1/chat/completions",
+        json!({"model": MODEL, "messages": messages, "chat_template_kwargs": kwargs,
+               "max_tokens": 2}),
+    )
+    .await;
+    assert_eq!(status, 200, "{v}");
+    assert_eq!(v["usage"]["prompt_tokens"], plain.len() + 4);
+    let (status, v) = json_of(
+        &s,
+        "/v1/chat/completions",
+        json!({"model": MODEL, "messages": messages, "chat_template_kwargs": [1], "max_tokens": 2}),
+    )
+    .await;
+    assert_eq!(status, 400, "{v}");
 }

@@ -13,6 +13,7 @@ pub(crate) mod decode;
 mod kv_cache;
 mod metadata;
 mod mma_tile;
+mod ops;
 pub(crate) mod prefill;
 pub mod reference;
 pub(crate) mod store_kv;
@@ -29,9 +30,9 @@ pub use metadata::{
 };
 pub use store_kv::QkvLayout;
 
+pub use self::ops::AttentionOps;
 use crate::KernelError;
 use crate::device_caps::DeviceCaps;
-use crate::ops::KernelOps;
 use crate::row_scale::RowScale;
 
 /// Rotary tables: `cos`, `sin` `[max_positions, head_dim / 2]`, f32.

@@ -9,6 +9,7 @@ mod cublas;
 pub(crate) mod kernel;
 pub(crate) mod launch;
 mod module;
+mod ops;
 pub mod reference;
 
 #[cfg(feature = "cuda")]
@@ -21,8 +22,8 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use burn::backend::{Dispatch, DispatchDevice};
 use burn::tensor::{DType, Tensor};
 
+pub use self::ops::LinearOps;
 use crate::KernelError;
-use crate::ops::KernelOps;
 
 /// Whether new product shapes are tuned ([`set_linear_tuning`]).
 static TUNING: AtomicBool = AtomicBool::new(false);
@@ -42,7 +43,7 @@ fn linear_tuning() -> bool {
     TUNING.load(Ordering::Relaxed)
 }
 
-/// Which optional operands of [`KernelOps::fused_linear`] are present.
+/// Which optional operands of [`LinearOps::fused_linear`] are present.
 pub struct LinearOperands;
 
 impl LinearOperands {

@@ -14,13 +14,14 @@
 
 pub(crate) mod kernel;
 pub(crate) mod launch;
+mod ops;
 pub mod reference;
 
 use burn::backend::Dispatch;
 use burn::tensor::{DType, FloatDType, Int, Tensor, TensorData};
 
+pub use self::ops::SamplingOps;
 use crate::KernelError;
-use crate::ops::KernelOps;
 
 /// Temperatures below this are greedy (vLLM's `_SAMPLING_EPS`): dividing logits by a smaller
 /// one overflows them to ±∞ and the draw is the argmax anyway.

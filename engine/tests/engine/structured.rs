@@ -261,7 +261,7 @@ fn min_tokens_lengthen_a_constrained_output_within_its_grammar() {
 #[test]
 fn grammars_name_special_tokens_of_the_real_qwen_vocabulary() {
     use engine::GrammarCompiler;
-    let tokenizer = fixture("qwen2-tiny-tied").join("tokenizer.json");
+    let tokenizer = model_qwen2::Qwen2Tokenizer::from_dir(fixture("qwen2-tiny-tied")).unwrap();
     let compiler = GrammarCompiler::new(&tokenizer, &[151645], 151936).unwrap();
     assert_eq!(compiler.special_token("<tool_call>"), Some(151657));
     assert_eq!(compiler.special_token("</tool_call>"), Some(151658));

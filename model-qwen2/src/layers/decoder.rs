@@ -2,7 +2,8 @@ use burn::module::Module;
 use burn::tensor::Tensor;
 use cubecl_kernels::{AttentionMetadata, LayerKvCache};
 
-use super::{Qwen2Attention, Qwen2Mlp, RmsNorm, RotaryEmbedding};
+use super::{Linear, Qwen2Attention, Qwen2Mlp, RmsNorm, RotaryEmbedding};
+use crate::tensor_parallel::Parallel;
 
 /// One decoder layer: `h += attn(norm(h)); h += mlp(norm(h))`.
 ///
@@ -21,6 +22,11 @@ pub struct Qwen2DecoderLayer {
     pub post_attention_layernorm: RmsNorm,
     /// Gated MLP.
     pub mlp: Qwen2Mlp,
+    /// Under tensor parallelism, this rank and its collective: o_proj and down_proj hold the
+    /// rank's input columns, and their partial products are summed over the ranks (the
+    /// residual added by rank 0 alone). `None`: the whole layer.
+    #[module(skip)]
+    pub parallel: Option<Parallel>,
 }
 
 impl Qwen2DecoderLayer {
@@ -49,8 +55,24 @@ impl Qwen2DecoderLayer {
         let qkv = attn.project(h.clone());
         let row_scale = attn.row_scale(&h, self.input_layernorm.eps);
         let out = attn.attend(qkv, row_scale, rotary, meta, cache);
-        let h = cubecl_kernels::linear_add(out, attn.o_proj.weight.val(), None, h);
-        self.mlp
-            .forward_residual(h, self.post_attention_layernorm.eps)
+        let h = self.residual_product(out, &attn.o_proj, h);
+        let act = self.mlp.activation(&h, self.post_attention_layernorm.eps);
+        self.residual_product(act, &self.mlp.down_proj, h)
+    }
+
+    /// `h + x·Wᵀ` `[T, H]` of a row-split product (`x [T, K]`, `linear.weight [H, K]`): the
+    /// residual rides in the product's epilogue; under tensor parallelism rank 0 adds it to
+    /// its partial product, the others add nothing, and the sum over the ranks completes it.
+    fn residual_product(&self, x: Tensor<2>, linear: &Linear, h: Tensor<2>) -> Tensor<2> {
+        match &self.parallel {
+            None => cubecl_kernels::linear_add(x, linear.weight.val(), None, h),
+            Some(p) if p.rank.rank == 0 => {
+                p.all_reduce
+                    .sum(cubecl_kernels::linear_add(x, linear.weight.val(), None, h))
+            }
+            Some(p) => p
+                .all_reduce
+                .sum(cubecl_kernels::linear(x, linear.weight.val(), None)),
+        }
     }
 }

@@ -1,6 +1,6 @@
 //! Logits, greedy continuations and activations against transformers (f32, CPU).
 
-use burn::tensor::{DType, Tensor};
+use burn::tensor::{DType, Int, Tensor, TensorData};
 use model_qwen2::{AttentionMetadata, KvCache, LogitsRows, Qwen2Model, Qwen2Tokenizer};
 
 use super::common::*;
@@ -275,4 +275,25 @@ fn text_prompts_tokenize_like_transformers() {
             "text {j} ids"
         );
     }
+}
+
+/// An id past the embedding table reads its last row (clamped on the device), never out of
+/// bounds; ids inside it read their own rows.
+#[test]
+fn embedding_ids_are_clamped_into_the_table() {
+    let model = load_model("qwen2-tiny-tied");
+    let rows = model.embed_tokens.val().dims()[0];
+    let ids = |v: &[i32]| {
+        Tensor::<1, Int>::from_data(
+            TensorData::new(v.to_vec(), [v.len()]),
+            (&device(), DType::I32),
+        )
+    };
+    let last = rows as i32 - 1;
+    let got = to_vec(model.embed(ids(&[3, last + 1, i32::MAX, -5])));
+    let want = to_vec(model.embed(ids(&[3, last, last, 0])));
+    assert_eq!(got, want);
+    let table = to_vec(model.embed_tokens.val());
+    let width = table.len() / rows;
+    assert_eq!(got[..width], table[3 * width..4 * width]);
 }
