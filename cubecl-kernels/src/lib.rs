@@ -51,6 +51,8 @@
 #![warn(missing_docs)]
 
 pub mod attention;
+#[cfg(feature = "cuda")]
+mod collective;
 #[cfg(feature = "cpu")]
 mod cpu_builtins;
 mod device;
@@ -70,6 +72,8 @@ pub use attention::{
     AttentionMetadata, DecodeTensors, LayerKvCache, MetadataTensors, PrefillTensors, QkNorm, Rope,
     TileCache, paged_attention, prefill_tile_rows, prefill_tiles, rope_store_kv, store_kv,
 };
+#[cfg(feature = "cuda")]
+pub use collective::{CollectiveOps, CommSlot, NcclComm, NcclId, all_reduce_sum};
 #[cfg(feature = "cpu")]
 pub use cpu_builtins::load as load_cpu_builtins;
 pub use device::{DeviceKind, persistent};

@@ -69,6 +69,10 @@ pub struct EngineConfig {
     /// time per step. Benchmarks only: each mark costs the host a round trip to the device
     /// thread.
     pub gpu_timeline: bool,
+    /// Ranks the model is split over (tensor parallelism, Megatron's split; 1: the whole model
+    /// on `device`). Each rank holds its share of every layer and of the KV cache; rank 0 (this
+    /// engine) schedules and samples for all ([`crate::tensor_parallel`]).
+    pub tensor_parallel_size: usize,
 }
 
 impl Default for EngineConfig {
@@ -88,6 +92,7 @@ impl Default for EngineConfig {
             emulate_graphs: false,
             admission_min_tokens: None,
             admission_max_wait_steps: 16,
+            tensor_parallel_size: 1,
             enable_prefix_caching: true,
             seed: 0,
             record_steps: false,
@@ -205,6 +210,12 @@ impl EngineConfig {
             return Err(c(
                 "gpu_memory_utilization",
                 format!("must be in (0, 1], got {}", self.gpu_memory_utilization),
+            ));
+        }
+        if !(1..=64).contains(&self.tensor_parallel_size) {
+            return Err(c(
+                "tensor_parallel_size",
+                format!("{} is outside 1..=64", self.tensor_parallel_size),
             ));
         }
         if self.num_kv_blocks == Some(0) {

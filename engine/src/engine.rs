@@ -33,6 +33,7 @@ mod step_loop;
 use crate::sequence::RequestId;
 use crate::start_up::{self, StartUp};
 use crate::structured_output::{GrammarCompiler, StructuredOutputs};
+use crate::tensor_parallel::{Workers, load_rank};
 
 /// The inference engine over one model on one device.
 pub struct LLMEngine {
@@ -56,6 +57,8 @@ pub struct LLMEngine {
     waited: Duration,
     /// With `gpu_timeline`: each recorded step's marks on the device's stream (start, end).
     gpu_marks: Vec<Option<(cubecl_kernels::GpuMark, cubecl_kernels::GpuMark)>>,
+    /// The other tensor-parallel ranks (`tensor_parallel_size` > 1).
+    workers: Option<Workers>,
     /// The constrained requests' grammars.
     structured: StructuredOutputs,
 }
@@ -95,14 +98,44 @@ impl LLMEngine {
     /// `generation_config.json` when present) and sizes the KV pool.
     pub fn new(dir: impl AsRef<Path>, config: EngineConfig) -> Result<Self> {
         config.validate()?;
-        let device = config.device.device()?;
-        let model = Qwen2Model::from_pretrained(dir.as_ref(), config.dtype(), &device)?;
-        Self::with_model(model, Some(dir.as_ref()), device, config)
+        let (dir, device) = (dir.as_ref(), config.device.device()?);
+        if config.tensor_parallel_size > 1 {
+            let group = model_qwen2::HostAllReduce::group(config.tensor_parallel_size);
+            let workers = Workers::spawn_threads(dir, &config, &group)?;
+            let model = load_rank(dir, &config, 0, group[0].clone(), &device);
+            let engine = model.and_then(|m| Self::start(m, Some(dir), device, config));
+            if let Err(e) = &engine {
+                workers.abort(&e.to_string());
+            }
+            let mut engine = engine?;
+            engine.workers = Some(workers);
+            return Ok(engine);
+        }
+        let model = Qwen2Model::from_pretrained(dir, config.dtype(), &device)?;
+        Self::with_model(model, Some(dir), device, config)
     }
 
     /// Wraps an already built model (e.g. [`Qwen2Model::dummy`]); `dir`, when given, is searched
-    /// for the tokenizer and `generation_config.json`.
+    /// for the tokenizer and `generation_config.json`. One rank only: a tensor-parallel engine
+    /// loads its ranks' shares itself ([`LLMEngine::new`]).
     pub fn with_model(
+        model: Qwen2Model,
+        dir: Option<&Path>,
+        device: Device,
+        config: EngineConfig,
+    ) -> Result<Self> {
+        if config.tensor_parallel_size > 1 {
+            return Err(EngineError::config(
+                "tensor_parallel_size",
+                "an engine over a built model has one rank; LLMEngine::new loads each rank's \
+                 share of a checkpoint"
+                    .into(),
+            ));
+        }
+        Self::start(model, dir, device, config)
+    }
+
+    fn start(
         model: Qwen2Model,
         dir: Option<&Path>,
         device: Device,
@@ -138,6 +171,7 @@ impl LLMEngine {
             in_flight: None,
             waited: Duration::ZERO,
             gpu_marks: Vec::new(),
+            workers: None,
         })
     }
 

@@ -47,6 +47,7 @@ pub mod sequence;
 mod start_up;
 pub mod step;
 pub mod structured_output;
+pub mod tensor_parallel;
 mod warm_up;
 
 pub use block_manager::BlockManager;

@@ -123,36 +123,110 @@ pub fn apply_penalties_host(logits: &mut [f32], vocab: usize, rows: &[SamplerRow
 /// Applies the rows' penalties and bans to `logits [rows, V]` on its device; returns them as
 /// they came when no row has any, else in f32.
 pub fn apply_penalties(logits: Tensor<2>, rows: &[SamplerRow<'_>]) -> Tensor<2> {
-    let [s, v] = logits.dims();
-    let mut index = Vec::new();
-    let mut repetition = Vec::new();
-    let mut subtract = Vec::new();
-    let mut banned = Vec::new();
-    for (r, row) in rows.iter().enumerate() {
-        for (t, a) in adjustments(row) {
-            index.push((r * v + t as usize) as i64);
-            repetition.push(a.repetition);
-            subtract.push(a.subtract);
-            banned.push(a.banned);
+    let v = logits.dims()[1];
+    Penalties::new(rows, v).apply(logits)
+}
+
+/// The logits a step's penalties and bans touch, flattened (`row · V + token`), with their
+/// adjustments: the host's part of [`apply_penalties`].
+#[derive(Clone, Debug, Default, PartialEq)]
+pub struct Penalties {
+    index: Vec<i64>,
+    repetition: Vec<f32>,
+    subtract: Vec<f32>,
+    banned: Vec<bool>,
+}
+
+impl Penalties {
+    /// Of `rows` over a `vocab`-token vocabulary.
+    pub fn new(rows: &[SamplerRow<'_>], vocab: usize) -> Self {
+        let mut p = Self::default();
+        for (r, row) in rows.iter().enumerate() {
+            for (t, a) in adjustments(row) {
+                p.index.push((r * vocab + t as usize) as i64);
+                p.repetition.push(a.repetition);
+                p.subtract.push(a.subtract);
+                p.banned.push(a.banned);
+            }
+        }
+        p
+    }
+
+    /// Applies them to `logits [rows, V]` on its device (as they came when there are none,
+    /// else in f32).
+    pub fn apply(&self, logits: Tensor<2>) -> Tensor<2> {
+        if self.index.is_empty() {
+            return logits;
+        }
+        let [s, v] = logits.dims();
+        let device = logits.device();
+        let n = self.index.len();
+        let index = Tensor::<1, Int>::from_data(TensorData::new(self.index.clone(), [n]), &device);
+        let repetition = Tensor::<1>::from_data(
+            TensorData::new(self.repetition.clone(), [n]),
+            (&device, DType::F32),
+        );
+        let subtract = Tensor::<1>::from_data(
+            TensorData::new(self.subtract.clone(), [n]),
+            (&device, DType::F32),
+        );
+        let banned = Tensor::<1, burn::tensor::Bool>::from_data(
+            TensorData::new(self.banned.clone(), [n]),
+            &device,
+        );
+        let flat = logits.cast(FloatDType::F32).reshape([s * v]);
+        let x = flat.clone().select(0, index.clone());
+        let positive = x.clone().greater_elem(0.0);
+        let scaled = (x.clone() * repetition.clone()).mask_where(positive, x / repetition);
+        let adjusted = (scaled - subtract).mask_fill(banned, f32::NEG_INFINITY);
+        flat.select_assign(0, index, adjusted, IndexingUpdateOp::Assign)
+            .reshape([s, v])
+    }
+}
+
+/// The device part of a step's sampling as plain data: penalties and bans, token masks and
+/// each row's draw. Rank 0 builds it from its requests; every tensor-parallel rank enqueues it
+/// over its own (equal) logits, so every rank writes the same tokens into its draws.
+#[derive(Clone, Debug, PartialEq)]
+pub struct SamplePlan {
+    /// Penalties and bans.
+    pub penalties: Penalties,
+    /// Token masks of the constrained rows.
+    pub masks: TokenMasks,
+    /// Each row's draw.
+    pub rows: Vec<SamplingRow>,
+}
+
+impl SamplePlan {
+    /// The plan of `rows` (constrained rows under `masks`; `counters[r]`: the position of the
+    /// token row `r` draws).
+    pub fn new(rows: &[SamplerRow<'_>], masks: TokenMasks, counters: &[u32], vocab: usize) -> Self {
+        Self {
+            penalties: Penalties::new(rows, vocab),
+            masks,
+            rows: rows
+                .iter()
+                .zip(counters)
+                .map(|(r, &counter)| SamplingRow {
+                    temperature: r.params.temperature,
+                    top_k: r.params.top_k,
+                    top_p: r.params.top_p,
+                    min_p: r.params.min_p,
+                    seed: r.seed,
+                    counter,
+                })
+                .collect(),
         }
     }
-    if index.is_empty() {
-        return logits;
+
+    /// Enqueues it over `logits [rows, V]`: the tokens land in `draws[..rows]` in place.
+    /// The masks are uploaded as they are (pinned upload memory stays uncopied).
+    pub fn enqueue(self, logits: Tensor<2>, draws: &mut Tensor<1, Int>) -> Result<()> {
+        let logits = self.penalties.apply(logits);
+        let logits = cubecl_kernels::mask_logits(logits, self.masks.allowed, &self.masks.rows)?;
+        cubecl_kernels::sample_into(logits, &self.rows, draws)?;
+        Ok(())
     }
-    let device = logits.device();
-    let n = index.len();
-    let index = Tensor::<1, Int>::from_data(TensorData::new(index, [n]), &device);
-    let repetition =
-        Tensor::<1>::from_data(TensorData::new(repetition, [n]), (&device, DType::F32));
-    let subtract = Tensor::<1>::from_data(TensorData::new(subtract, [n]), (&device, DType::F32));
-    let banned = Tensor::<1, burn::tensor::Bool>::from_data(TensorData::new(banned, [n]), &device);
-    let flat = logits.cast(FloatDType::F32).reshape([s * v]);
-    let x = flat.clone().select(0, index.clone());
-    let positive = x.clone().greater_elem(0.0);
-    let scaled = (x.clone() * repetition.clone()).mask_where(positive, x / repetition);
-    let adjusted = (scaled - subtract).mask_fill(banned, f32::NEG_INFINITY);
-    flat.select_assign(0, index, adjusted, IndexingUpdateOp::Assign)
-        .reshape([s, v])
 }
 
 /// A step's draws on their way to the host.
@@ -227,25 +301,32 @@ pub fn sample(
     if n == 0 {
         return Ok((Draws::Ready(Vec::new()), Duration::ZERO));
     }
+    let vocab = logits.dims()[1];
+    sample_planned(
+        logits,
+        rows,
+        SamplePlan::new(rows, masks, counters, vocab),
+        draws,
+    )
+}
+
+/// [`sample`] with the device part already planned (`plan`, of `rows`): rank 0 of a
+/// tensor-parallel group sends the plan to the other ranks, then samples with it itself.
+pub fn sample_planned(
+    logits: Tensor<2>,
+    rows: &[SamplerRow<'_>],
+    plan: SamplePlan,
+    draws: &mut Tensor<1, Int>,
+) -> Result<(Draws, Duration)> {
+    let n = rows.len();
+    if n == 0 {
+        return Ok((Draws::Ready(Vec::new()), Duration::ZERO));
+    }
     let raw = rows
         .iter()
         .any(|r| r.params.logprobs.is_some())
         .then(|| logits.clone());
-    let logits = apply_penalties(logits, rows);
-    let logits = cubecl_kernels::mask_logits(logits, masks.allowed, &masks.rows)?;
-    let kernel_rows: Vec<SamplingRow> = rows
-        .iter()
-        .zip(counters)
-        .map(|(r, &counter)| SamplingRow {
-            temperature: r.params.temperature,
-            top_k: r.params.top_k,
-            top_p: r.params.top_p,
-            min_p: r.params.min_p,
-            seed: r.seed,
-            counter,
-        })
-        .collect();
-    cubecl_kernels::sample_into(logits, &kernel_rows, draws)?;
+    plan.enqueue(logits, draws)?;
     let flush = Instant::now();
     let pending = cubecl_kernels::read_ints_async(&draws.clone().slice(0..n))
         .map_err(|e| EngineError::Device(format!("sampled ids: {e}")))?;

@@ -13,8 +13,9 @@ use burn::tensor::{Int, Tensor};
 /// One sequence's part of a step, as the runner needs it.
 #[derive(Clone, Copy, Debug)]
 pub struct StepSeq<'a> {
-    /// All its tokens (the last one a placeholder when `pending_row` is set).
-    pub token_ids: &'a [u32],
+    /// The tokens this step computes (`num_new_tokens` of them, from position
+    /// `num_computed_tokens`; the last one a placeholder when `pending_row` is set).
+    pub new_token_ids: &'a [u32],
     /// Tokens already in the cache; this step computes the next `num_new_tokens`.
     pub num_computed_tokens: usize,
     /// Tokens computed in this step.
@@ -30,15 +31,54 @@ pub struct StepSeq<'a> {
 impl StepSeq<'_> {
     /// The host token ids of its new tokens (0 for a token still on the device).
     pub fn new_ids(&self) -> impl Iterator<Item = u32> + '_ {
-        let start = self.num_computed_tokens;
-        let last = self.token_ids.len() - 1;
-        (start..start + self.num_new_tokens).map(move |p| {
-            if self.pending_row.is_some() && p == last {
+        let last = self.num_new_tokens - 1;
+        self.new_token_ids.iter().enumerate().map(move |(i, &t)| {
+            if self.pending_row.is_some() && i == last {
                 0
             } else {
-                self.token_ids[p]
+                t
             }
         })
+    }
+}
+
+/// A [`StepSeq`] that owns its parts: what a tensor-parallel worker receives.
+#[derive(Clone, Debug)]
+pub struct PlannedSeq {
+    /// [`StepSeq::new_token_ids`].
+    pub new_token_ids: Vec<u32>,
+    /// [`StepSeq::num_computed_tokens`].
+    pub num_computed_tokens: usize,
+    /// [`StepSeq::block_table`] (the blocks up to the step's last token).
+    pub block_table: Vec<u32>,
+    /// [`StepSeq::samples`].
+    pub samples: bool,
+    /// [`StepSeq::pending_row`].
+    pub pending_row: Option<usize>,
+}
+
+impl PlannedSeq {
+    /// The owned copy of `s`.
+    pub fn of(s: &StepSeq<'_>) -> Self {
+        Self {
+            new_token_ids: s.new_token_ids.to_vec(),
+            num_computed_tokens: s.num_computed_tokens,
+            block_table: s.block_table.to_vec(),
+            samples: s.samples,
+            pending_row: s.pending_row,
+        }
+    }
+
+    /// The step's view of it.
+    pub fn as_step(&self) -> StepSeq<'_> {
+        StepSeq {
+            new_token_ids: &self.new_token_ids,
+            num_computed_tokens: self.num_computed_tokens,
+            num_new_tokens: self.new_token_ids.len(),
+            block_table: &self.block_table,
+            samples: self.samples,
+            pending_row: self.pending_row,
+        }
     }
 }
 

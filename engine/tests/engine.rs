@@ -7,11 +7,12 @@ mod engine {
     pub mod common;
     mod cpu_targets;
     mod default_model;
-    mod generation;
+    pub mod generation;
     mod overlap;
     mod sampler;
     mod scheduler;
     mod shape_sweep;
     mod step_graphs;
     mod structured;
+    mod tensor_parallel;
 }

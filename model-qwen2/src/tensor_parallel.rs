@@ -8,7 +8,7 @@
 
 use std::fmt::Debug;
 use std::ops::Range;
-use std::sync::{Arc, Barrier, Mutex};
+use std::sync::{Arc, Condvar, Mutex};
 
 use burn::tensor::{Tensor, TensorData};
 
@@ -112,6 +112,10 @@ impl TpRank {
 pub trait AllReduce: Send + Sync + Debug {
     /// The element-wise sum of `x [M, N]` over the ranks, returned on every rank.
     fn sum(&self, x: Tensor<2>) -> Tensor<2>;
+
+    /// Ends the group for every rank because this one failed (`reason`): the others' pending
+    /// and later sums fail instead of waiting for it forever.
+    fn abort(&self, reason: &str);
 }
 
 /// A rank's collective inside its layers: its place in the group and the sum.
@@ -124,7 +128,9 @@ pub struct Parallel {
 }
 
 /// Ranks as threads of one process, the collective a host sum in rank order (so every rank
-/// gets the same bits): the CPU reference of tensor parallelism, for tests.
+/// gets the same bits): the CPU reference of tensor parallelism, for tests. A sum of an
+/// aborted group panics with the reason (the engine counts a panicking forward as a failed
+/// device).
 #[derive(Debug)]
 pub struct HostAllReduce {
     rank: usize,
@@ -133,16 +139,33 @@ pub struct HostAllReduce {
 
 #[derive(Debug)]
 struct HostGroup {
-    parts: Mutex<Vec<Option<TensorData>>>,
-    barrier: Barrier,
+    size: usize,
+    state: Mutex<HostState>,
+    changed: Condvar,
+}
+
+#[derive(Debug, Default)]
+struct HostState {
+    /// This round's parts, by rank.
+    parts: Vec<Option<TensorData>>,
+    arrived: usize,
+    /// Completed rounds.
+    round: u64,
+    /// The last round's sum.
+    sum: Option<Arc<Vec<f32>>>,
+    failed: Option<String>,
 }
 
 impl HostAllReduce {
     /// One collective per rank of a group of `size` threads.
     pub fn group(size: usize) -> Vec<Arc<dyn AllReduce>> {
         let group = Arc::new(HostGroup {
-            parts: Mutex::new(vec![None; size]),
-            barrier: Barrier::new(size),
+            size,
+            state: Mutex::new(HostState {
+                parts: vec![None; size],
+                ..HostState::default()
+            }),
+            changed: Condvar::new(),
         });
         (0..size)
             .map(|rank| {
@@ -159,25 +182,48 @@ impl AllReduce for HostAllReduce {
     fn sum(&self, x: Tensor<2>) -> Tensor<2> {
         let (device, dtype, shape) = (x.device(), x.dtype(), x.shape());
         let part = x.into_data().convert::<f32>();
-        self.group.parts.lock().expect("a rank panicked")[self.rank] = Some(part);
-        self.group.barrier.wait();
-        let total = {
-            let parts = self.group.parts.lock().expect("a rank panicked");
-            let mut sum: Vec<f32> = vec![0.0; shape.num_elements()];
-            for part in parts.iter() {
-                let values = part
-                    .as_ref()
-                    .expect("every rank left its part")
-                    .as_slice::<f32>()
-                    .expect("f32 values");
-                for (s, v) in sum.iter_mut().zip(values) {
+        let g = &self.group;
+        let mut state = g.state.lock().unwrap_or_else(|e| e.into_inner());
+        if let Some(reason) = &state.failed {
+            panic!("tensor-parallel group ended: {reason}");
+        }
+        state.parts[self.rank] = Some(part);
+        state.arrived += 1;
+        if state.arrived == g.size {
+            let mut sum = vec![0.0f32; shape.num_elements()];
+            for part in state.parts.iter_mut() {
+                let part = part.take().expect("every rank left its part");
+                for (s, v) in sum
+                    .iter_mut()
+                    .zip(part.as_slice::<f32>().expect("f32 values"))
+                {
                     *s += v;
                 }
             }
-            sum
-        };
-        // Everyone has read the parts: the next call may overwrite them.
-        self.group.barrier.wait();
-        Tensor::from_data(TensorData::new(total, shape), (&device, dtype))
+            state.sum = Some(Arc::new(sum));
+            state.arrived = 0;
+            state.round += 1;
+            g.changed.notify_all();
+        } else {
+            let round = state.round;
+            while state.round == round && state.failed.is_none() {
+                state = g.changed.wait(state).unwrap_or_else(|e| e.into_inner());
+            }
+            if state.round == round {
+                let reason = state.failed.clone().unwrap_or_default();
+                panic!("tensor-parallel group ended: {reason}");
+            }
+        }
+        let sum = state.sum.clone().expect("the round's sum");
+        drop(state);
+        Tensor::from_data(TensorData::new(sum.to_vec(), shape), (&device, dtype))
+    }
+
+    fn abort(&self, reason: &str) {
+        let mut state = self.group.state.lock().unwrap_or_else(|e| e.into_inner());
+        state
+            .failed
+            .get_or_insert_with(|| format!("rank {}: {reason}", self.rank));
+        self.group.changed.notify_all();
     }
 }

@@ -271,8 +271,9 @@ impl LLMEngine {
                         ))
                     })?),
                 };
+                let start = seq.num_computed_tokens;
                 Ok(StepSeq {
-                    token_ids: &seq.token_ids,
+                    new_token_ids: &seq.token_ids[start..start + s.num_new_tokens],
                     num_computed_tokens: seq.num_computed_tokens,
                     num_new_tokens: s.num_new_tokens,
                     block_table: &seq.block_table,
@@ -282,6 +283,9 @@ impl LLMEngine {
             })
             .collect::<Result<_>>()?;
         let graph_steps = self.runner.stats().graph_steps;
+        if let Some(workers) = &self.workers {
+            workers.forward(&seqs)?;
+        }
         let logits = self.runner.forward(&seqs)?;
         let forwarded_at = Instant::now();
         let graph = self.runner.stats().graph_steps > graph_steps;
@@ -326,6 +330,9 @@ impl LLMEngine {
         self.outputs.clear();
         self.structured.clear();
         self.in_flight = None;
+        if let Some(workers) = &self.workers {
+            workers.abort(&cause);
+        }
         self.failure = Some(cause.clone());
         EngineError::DeviceFailed(cause)
     }

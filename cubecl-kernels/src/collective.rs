@@ -1,0 +1,242 @@
+//! NCCL collectives on CubeCL's CUDA stream, for tensor parallelism (one process per GPU).
+//!
+//! Layout: a communicator ([`NcclComm`]) per process, made from one [`NcclId`] that rank 0
+//! creates and hands to the others (any byte channel: a pipe, an environment variable, TCP
+//! across hosts). [`all_reduce_sum`] sums a tensor over the ranks in place: the call is an op of
+//! the fusion stream, enqueued from CubeCL's device thread (`Client::exclusive`) on the stream
+//! of the tensor's work, as the cuBLASLt products are (`rms_norm_linear/cublas.rs`), so it runs
+//! between our kernels and a CUDA-graph capture records it. That needs the vendored
+//! cubecl-cuda, which hands the stream out; built against the published crate the op is
+//! refused. Every rank must issue the same collectives in the same order (NCCL's contract); a
+//! rank that stops makes the others wait, which the engine's watchdog bounds.
+
+use std::fmt;
+use std::sync::Arc;
+
+use burn::backend::fusion::custom::TensorSpec;
+use burn::backend::tensor::FloatTensor;
+use burn::backend::{Backend, Dispatch, backend_extension};
+use burn::tensor::{DType, Tensor};
+use burn_cubecl::CubeBackend;
+use burn_cubecl::tensor::CubeTensor;
+use cudarc::nccl::{result as nccl, sys};
+
+use crate::KernelError;
+
+type CudaServer = <cubecl::cuda::CudaRuntime as cubecl_runtime::runtime::Runtime>::Server;
+
+/// The 128-byte id that names one NCCL group: made once by rank 0, read by every rank.
+#[derive(Clone, Copy)]
+pub struct NcclId(sys::ncclUniqueId);
+
+impl NcclId {
+    /// A fresh id (NCCL's bootstrap: no GPU needed).
+    pub fn new() -> Result<Self, KernelError> {
+        nccl::get_uniqueid()
+            .map(Self)
+            .map_err(|e| KernelError::invalid(format!("ncclGetUniqueId: {e:?}")))
+    }
+
+    /// The id as hex text (256 characters), to pass to other processes.
+    pub fn to_hex(&self) -> String {
+        self.0
+            .internal
+            .iter()
+            .map(|&b| format!("{:02x}", b as u8))
+            .collect()
+    }
+
+    /// The id from [`NcclId::to_hex`]'s text.
+    pub fn from_hex(hex: &str) -> Result<Self, KernelError> {
+        let bad = || KernelError::invalid(format!("not an NCCL id: {hex:?}"));
+        let bytes = hex.as_bytes();
+        let mut id = sys::ncclUniqueId { internal: [0; 128] };
+        if bytes.len() != 2 * id.internal.len() {
+            return Err(bad());
+        }
+        for (i, slot) in id.internal.iter_mut().enumerate() {
+            let text = std::str::from_utf8(&bytes[2 * i..2 * i + 2]).map_err(|_| bad())?;
+            *slot = u8::from_str_radix(text, 16).map_err(|_| bad())? as _;
+        }
+        Ok(Self(id))
+    }
+}
+
+impl fmt::Debug for NcclId {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "NcclId({}…)", &self.to_hex()[..16])
+    }
+}
+
+/// This process's member of an NCCL group, on one CUDA device.
+pub struct NcclComm {
+    comm: sys::ncclComm_t,
+    rank: usize,
+    size: usize,
+}
+
+// SAFETY: an NCCL communicator may be used from any thread as long as calls on it are not
+// concurrent; every call is made from CubeCL's device thread inside `Client::exclusive`.
+unsafe impl Send for NcclComm {}
+// SAFETY: as above; shared references only enqueue through `Client::exclusive`.
+unsafe impl Sync for NcclComm {}
+
+impl fmt::Debug for NcclComm {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "NcclComm(rank {} of {})", self.rank, self.size)
+    }
+}
+
+impl NcclComm {
+    /// Joins group `id` as `rank` of `size` on CUDA device `index` (as CubeCL numbers them; a
+    /// process should see only its own GPU). Blocks until every rank has joined.
+    pub fn join(
+        id: NcclId,
+        rank: usize,
+        size: usize,
+        index: usize,
+    ) -> Result<Arc<Self>, KernelError> {
+        if rank >= size {
+            return Err(KernelError::invalid(format!(
+                "rank {rank} is outside 0..{size}"
+            )));
+        }
+        // The communicator is made on CubeCL's device thread, with its CUDA context current.
+        let client = <cubecl::cuda::CudaRuntime as cubecl_runtime::runtime::Runtime>::client(
+            &cubecl::cuda::CudaDevice { index },
+        );
+        let made = client
+            .exclusive(move || {
+                let mut comm = std::ptr::null_mut();
+                // SAFETY: `comm` is a valid out-pointer; the id is shared by all ranks.
+                unsafe { nccl::comm_init_rank(&mut comm, size as i32, id.0, rank as i32) }
+                    .map(|_| comm as usize)
+                    .map_err(|e| format!("ncclCommInitRank: {e:?}"))
+            })
+            .map_err(|e| KernelError::invalid(format!("exclusive: {e:?}")))?
+            .map_err(KernelError::invalid)?;
+        Ok(Arc::new(Self {
+            comm: made as sys::ncclComm_t,
+            rank,
+            size,
+        }))
+    }
+
+    /// This process's rank.
+    pub fn rank(&self) -> usize {
+        self.rank
+    }
+
+    /// Ranks in the group.
+    pub fn size(&self) -> usize {
+        self.size
+    }
+}
+
+impl Drop for NcclComm {
+    fn drop(&mut self) {
+        // SAFETY: the communicator is ours and no call on it is in flight once it is dropped
+        // (every op holding it has run). Abort rather than destroy: a peer may be gone.
+        unsafe {
+            let _ = nccl::comm_abort(self.comm);
+        }
+    }
+}
+
+/// The communicator an [`CollectiveOps::all_reduce_sum`] op sums over.
+#[derive(Clone, Debug)]
+pub struct CommSlot(pub Arc<NcclComm>);
+
+/// `x [M, N]` (bf16, f16 or f32, contiguous) summed over `comm`'s ranks, in place: the returned
+/// tensor is `x`'s buffer. A CUDA device and the vendored cubecl-cuda are required.
+pub fn all_reduce_sum(x: Tensor<2>, comm: &Arc<NcclComm>) -> Result<Tensor<2>, KernelError> {
+    if !matches!(x.dtype(), DType::BF16 | DType::F16 | DType::F32) {
+        return Err(KernelError::invalid(format!(
+            "all_reduce_sum: dtype {:?} (bf16, f16 or f32)",
+            x.dtype()
+        )));
+    }
+    #[allow(unreachable_patterns)]
+    let on_cuda = match x.device().as_dispatch() {
+        burn::backend::DispatchDevice::Cube(cubecl::Device::Cuda(_)) => true,
+        _ => false,
+    };
+    if !on_cuda {
+        return Err(KernelError::invalid(format!(
+            "all_reduce_sum: {:?} is not a CUDA device",
+            x.device()
+        )));
+    }
+    if !cfg!(cubecl_cuda_stream) {
+        return Err(KernelError::invalid(
+            "all_reduce_sum needs the vendored cubecl-cuda (the stream of CubeCL's work)",
+        ));
+    }
+    let out = Dispatch::all_reduce_sum(x.into_dispatch(), CommSlot(comm.clone()));
+    Ok(Tensor::from_dispatch(out))
+}
+
+/// The sum over ranks as a Burn backend extension (an opaque op of the fusion stream).
+#[backend_extension(Cube, Fusion)]
+pub trait CollectiveOps: Backend {
+    /// `x` summed over `comm`'s ranks in place; returns `x`.
+    #[fusion(meta = all_reduce_sum_meta)]
+    fn all_reduce_sum(x: FloatTensor<Self>, comm: CommSlot) -> FloatTensor<Self>;
+}
+
+fn all_reduce_sum_meta(x: &TensorSpec, _comm: &CommSlot) -> TensorSpec {
+    x.clone()
+}
+
+impl CollectiveOps for CubeBackend {
+    fn all_reduce_sum(x: FloatTensor<Self>, comm: CommSlot) -> FloatTensor<Self> {
+        let x = burn_cubecl::kernel::into_contiguous(x);
+        if let Err(e) = enqueue_all_reduce(&x, &comm.0) {
+            panic!("all_reduce_sum: {e}");
+        }
+        x
+    }
+}
+
+/// Enqueues `ncclAllReduce(x, x, sum)` on the stream of `x`'s work.
+fn enqueue_all_reduce(x: &CubeTensor, comm: &Arc<NcclComm>) -> Result<(), String> {
+    let data_type = match x.dtype {
+        DType::BF16 => sys::ncclDataType_t::ncclBfloat16,
+        DType::F16 => sys::ncclDataType_t::ncclFloat16,
+        DType::F32 => sys::ncclDataType_t::ncclFloat32,
+        other => return Err(format!("dtype {other:?}")),
+    };
+    let count = x.meta.shape().num_elements();
+    let resource = x
+        .client
+        .get_resource::<CudaServer>(x.handle.clone())
+        .map_err(|e| format!("get_resource: {e:?}"))?;
+    let ptr = resource.resource().ptr;
+    #[cfg(cubecl_cuda_stream)]
+    let stream = resource.resource().stream as usize;
+    #[cfg(not(cubecl_cuda_stream))]
+    let stream: usize = return Err("the stream of CubeCL's work is unknown".into());
+    let comm_ptr = comm.comm as usize;
+    let result = x
+        .client
+        .exclusive(move || {
+            // SAFETY: `ptr` is `count` elements of `data_type`, pinned by `resource` until the
+            // call is enqueued; the communicator outlives the call (held by the op).
+            unsafe {
+                nccl::all_reduce(
+                    ptr as *const std::ffi::c_void,
+                    ptr as *mut std::ffi::c_void,
+                    count,
+                    data_type,
+                    sys::ncclRedOp_t::ncclSum,
+                    comm_ptr as sys::ncclComm_t,
+                    stream as sys::cudaStream_t,
+                )
+            }
+            .map(|_| ())
+            .map_err(|e| format!("ncclAllReduce: {e:?}"))
+        })
+        .map_err(|e| format!("exclusive: {e:?}"))?;
+    drop(resource);
+    result
+}
