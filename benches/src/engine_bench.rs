@@ -4,11 +4,11 @@
 use std::time::Instant;
 
 use anyhow::{Result, bail};
-use burn::tensor::{DType, Device};
+use burn::tensor::DType;
 use burn_nanovllm::{
     EngineConfig, EngineStats, LLM, LLMEngine, Prompt, SamplingParams, StructuredOutput,
 };
-use model_qwen2::{Qwen2Config, Qwen2Model};
+use model_qwen2::Qwen2Config;
 use serde_json::json;
 
 use crate::report::{Report, percentile};
@@ -55,38 +55,35 @@ pub fn bench_schema() -> serde_json::Value {
     })
 }
 
-fn build(setup: &EngineSetup<'_>, device: &Device, dtype: DType) -> Result<LLM> {
-    let mut llm = LLM::from_engine(build_engine(setup, device, dtype)?);
+fn build(setup: &EngineSetup<'_>) -> Result<LLM> {
+    let mut llm = LLM::from_engine(build_engine(setup)?);
     llm.set_progress(false);
     Ok(llm)
 }
 
-/// The engine of `setup`: its checkpoint, or random weights of its config.
-pub fn build_engine(setup: &EngineSetup<'_>, device: &Device, dtype: DType) -> Result<LLMEngine> {
+/// The engine of `setup` (its device and dtype in `setup.engine`): its checkpoint, or random
+/// weights of its config.
+pub fn build_engine(setup: &EngineSetup<'_>) -> Result<LLMEngine> {
     Ok(match setup.dir {
         Some(dir) => LLMEngine::new(dir, setup.engine.clone())?,
-        None => {
-            let model = Qwen2Model::dummy(setup.config.clone(), dtype, device);
-            LLMEngine::with_model(model, setup.tokenizer, device.clone(), setup.engine.clone())?
-        }
+        None => LLMEngine::with_random_weights(
+            setup.config.clone(),
+            setup.tokenizer,
+            setup.engine.clone(),
+        )?,
     })
 }
 
 /// nano-vLLM's `bench.py`: 256 random prompts of 100–1024 tokens, 100–1024 output tokens each,
 /// temperature 0.6, `ignore_eos`; after a short warm-up generation, one timed `generate`.
-pub fn nano(
-    setup: &EngineSetup<'_>,
-    num_seqs: usize,
-    device: &Device,
-    dtype: DType,
-) -> Result<Report> {
+pub fn nano(setup: &EngineSetup<'_>, num_seqs: usize, dtype: DType) -> Result<Report> {
     // bench.py's own `max_model_len`, unless one was given.
     let mut setup = setup.clone();
     let bench_py_len = NANO_MAX_MODEL_LEN.min(setup.config.max_position_embeddings);
     setup.engine.max_model_len = setup.engine.max_model_len.or(Some(bench_py_len));
     let setup = &setup;
     let start = Instant::now();
-    let mut llm = build(setup, device, dtype)?;
+    let mut llm = build(setup)?;
     let load_s = start.elapsed().as_secs_f64();
     let limits = llm.engine().limits().clone();
     print_graphs(&limits);
@@ -236,13 +233,8 @@ pub struct RandomWorkload {
 
 /// vLLM's `bench throughput`: every request at t = 0 (random ids, `ignore_eos`, temperature
 /// 0.6 like bench.py), one timed `generate` after a short warm-up.
-pub fn throughput(
-    setup: &EngineSetup<'_>,
-    w: &RandomWorkload,
-    device: &Device,
-    dtype: DType,
-) -> Result<Report> {
-    let mut llm = build(setup, device, dtype)?;
+pub fn throughput(setup: &EngineSetup<'_>, w: &RandomWorkload, dtype: DType) -> Result<Report> {
+    let mut llm = build(setup)?;
     let vocab = llm.engine().model_config().vocab_size as u32;
     let work = random_requests(
         w.num_prompts,
@@ -321,10 +313,9 @@ pub fn latency(
     batches: &[usize],
     w: &RandomWorkload,
     (warmup, iters): (usize, usize),
-    device: &Device,
     dtype: DType,
 ) -> Result<Report> {
-    let mut llm = build(setup, device, dtype)?;
+    let mut llm = build(setup)?;
     let vocab = llm.engine().model_config().vocab_size as u32;
     let mut report = Report::new(
         &format!("engine latency {} {dtype:?}", setup.model),
@@ -383,12 +374,7 @@ pub struct PrefixWorkload {
 /// own suffix, greedy with `ignore_eos`, all at t = 0 after one request has put the prefix in
 /// the cache; once with prefix caching on, once off (a fresh engine each). Prefix-hit ratio
 /// (hit / queried prompt tokens), TTFT percentiles, prompt tokens computed and throughput.
-pub fn prefix(
-    setup: &EngineSetup<'_>,
-    w: &PrefixWorkload,
-    device: &Device,
-    dtype: DType,
-) -> Result<Report> {
+pub fn prefix(setup: &EngineSetup<'_>, w: &PrefixWorkload, dtype: DType) -> Result<Report> {
     let mut report = Report::new(
         &format!("engine prefix caching {} {dtype:?}", setup.model),
         &[
@@ -417,7 +403,7 @@ pub fn prefix(
             },
             ..*setup
         };
-        let mut llm = build(&run, device, dtype)?;
+        let mut llm = build(&run)?;
         let vocab = llm.engine().model_config().vocab_size as u32;
         let (prefix, work) = shared_prefix_requests(
             w.num_prompts,

@@ -105,6 +105,10 @@ struct Cli {
     /// few fields (structured outputs; needs a tokenizer: `--model` or `--tokenizer`).
     #[arg(long, default_value_t = 0.0)]
     json_fraction: f64,
+    /// Engine suites: ranks the model is split over (tensor parallelism; also `-tp`): on CUDA
+    /// one process per GPU, --device's GPU and the ones after it.
+    #[arg(long, default_value_t = 1)]
+    tensor_parallel_size: usize,
     /// Engine suites: sequences of the nano workload.
     #[arg(long, default_value_t = 256)]
     num_seqs: usize,
@@ -205,7 +209,13 @@ fn parse_dtype(name: &str) -> Result<DType> {
 }
 
 fn main() -> Result<()> {
-    let cli = Cli::parse();
+    // A tensor-parallel worker process serves its rank and exits here.
+    burn_nanovllm::serve_if_worker();
+    // vLLM's `-tp`.
+    let cli = Cli::parse_from(std::env::args().map(|a| match a.as_str() {
+        "-tp" => "--tensor-parallel-size".to_string(),
+        _ => a,
+    }));
     let mut tables = Vec::new();
     if cli.suite.contains(&Suite::Grammar) {
         let dir = cli
@@ -347,6 +357,7 @@ fn main() -> Result<()> {
                     .admission_wait_steps
                     .unwrap_or(burn_nanovllm::EngineConfig::default().admission_max_wait_steps),
                 gpu_timeline: cli.gpu_timeline,
+                tensor_parallel_size: cli.tensor_parallel_size,
                 cuda_graph_sizes: (!cli.graph_sizes.is_empty()).then(|| cli.graph_sizes.clone()),
                 num_kv_blocks: cli.num_kv_blocks,
                 record_steps: true,
@@ -364,10 +375,10 @@ fn main() -> Result<()> {
             seed: cli.seed,
         };
         if cli.suite.contains(&Suite::Nano) {
-            tables.push(engine_bench::nano(&setup, num_seqs, &device, dtype)?.json());
+            tables.push(engine_bench::nano(&setup, num_seqs, dtype)?.json());
         }
         if cli.suite.contains(&Suite::Throughput) {
-            tables.push(engine_bench::throughput(&setup, &workload, &device, dtype)?.json());
+            tables.push(engine_bench::throughput(&setup, &workload, dtype)?.json());
         }
         if cli.suite.contains(&Suite::Prefix) {
             let prefix = engine_bench::PrefixWorkload {
@@ -377,14 +388,13 @@ fn main() -> Result<()> {
                 output_len: cli.output_len,
                 seed: cli.seed,
             };
-            tables.push(engine_bench::prefix(&setup, &prefix, &device, dtype)?.json());
+            tables.push(engine_bench::prefix(&setup, &prefix, dtype)?.json());
         }
         if in_process_serve {
             // Built on the engine thread, which replays its CUDA graphs (CubeCL's streams are
             // per thread), as the server does.
             let (model, config) = (setup.model.to_string(), setup.config.clone());
             let (dir, engine) = (setup.dir.map(|d| d.to_path_buf()), setup.engine.clone());
-            let engine_device = device.clone();
             let make = move || {
                 let setup = engine_bench::EngineSetup {
                     model: &model,
@@ -395,7 +405,7 @@ fn main() -> Result<()> {
                     tokenizer: None,
                     json_fraction: 0.0,
                 };
-                engine_bench::build_engine(&setup, &engine_device, dtype)
+                engine_bench::build_engine(&setup)
                     .map_err(|e| burn_nanovllm::LlmError::Invalid(format!("{e:#}")))
             };
             serve_target = Some(if cli.http {
@@ -411,8 +421,7 @@ fn main() -> Result<()> {
             // Repeated identical batches: no prefix cache, or every repeat would be a hit.
             setup.engine.enable_prefix_caching = false;
             let iters = (cli.warmup_iters, cli.iters);
-            let report =
-                engine_bench::latency(&setup, &cli.batch_size, &workload, iters, &device, dtype)?;
+            let report = engine_bench::latency(&setup, &cli.batch_size, &workload, iters, dtype)?;
             tables.push(report.json());
         }
     }

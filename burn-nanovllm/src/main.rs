@@ -91,6 +91,10 @@ struct EngineArgs {
     /// once; default: --max-num-batched-tokens).
     #[arg(long)]
     admission_tokens: Option<usize>,
+    /// Ranks the model is split over (tensor parallelism; also `-tp`): on CUDA one process per
+    /// GPU, --device's GPU and the ones after it; on CPU devices, threads.
+    #[arg(long, default_value_t = 1)]
+    tensor_parallel_size: usize,
 }
 
 /// Sampling options (vLLM's names); unset ones come from the model's generation_config.json.
@@ -246,7 +250,14 @@ fn parse_dtype(s: &str) -> Result<DType, String> {
 }
 
 fn main() -> Result<()> {
-    match Cli::parse().command {
+    // A tensor-parallel worker process serves its rank and exits here.
+    burn_nanovllm::serve_if_worker();
+    // vLLM's `-tp`.
+    let args = std::env::args().map(|a| match a.as_str() {
+        "-tp" => "--tensor-parallel-size".to_string(),
+        _ => a,
+    });
+    match Cli::parse_from(args).command {
         Command::Generate(args) => generate(args),
         Command::Chat(args) => chat(args),
         Command::Serve(args) => serve(args),
@@ -307,6 +318,7 @@ fn engine_config(model: &ModelArgs, e: &EngineArgs) -> EngineConfig {
         async_scheduling: e.sync_steps.then_some(false),
         admission_min_tokens: e.admission_tokens,
         enable_prefix_caching: !e.no_prefix_caching,
+        tensor_parallel_size: e.tensor_parallel_size,
         ..EngineConfig::default()
     }
 }

@@ -23,6 +23,7 @@ use cudarc::nccl::{result as nccl, sys};
 
 use crate::KernelError;
 
+#[cfg(cubecl_cuda_stream)]
 type CudaServer = <cubecl::cuda::CudaRuntime as cubecl_runtime::runtime::Runtime>::Server;
 
 /// The 128-byte id that names one NCCL group: made once by rank 0, read by every rank.
@@ -68,11 +69,16 @@ impl fmt::Debug for NcclId {
     }
 }
 
-/// This process's member of an NCCL group, on one CUDA device.
+/// This process's member of an NCCL group, on one CUDA device. Never destroyed:
+/// `ncclCommDestroy` finalizes with the peers (gone by the time it would run), and
+/// `ncclCommAbort` blocked rank 0's shutdown on 2 × H200 (measured); the process's exit
+/// releases the communicator's buffers.
 pub struct NcclComm {
     comm: sys::ncclComm_t,
     rank: usize,
     size: usize,
+    aborted: std::sync::atomic::AtomicBool,
+    reason: std::sync::Mutex<String>,
 }
 
 // SAFETY: an NCCL communicator may be used from any thread as long as calls on it are not
@@ -119,6 +125,8 @@ impl NcclComm {
             comm: made as sys::ncclComm_t,
             rank,
             size,
+            aborted: std::sync::atomic::AtomicBool::new(false),
+            reason: std::sync::Mutex::new(String::new()),
         }))
     }
 
@@ -131,36 +139,68 @@ impl NcclComm {
     pub fn size(&self) -> usize {
         self.size
     }
-}
 
-impl Drop for NcclComm {
-    fn drop(&mut self) {
-        // SAFETY: the communicator is ours and no call on it is in flight once it is dropped
-        // (every op holding it has run). Abort rather than destroy: a peer may be gone.
-        unsafe {
-            let _ = nccl::comm_abort(self.comm);
+    /// Ends the group (a peer died or this rank failed, `reason`): later collectives are
+    /// refused at once, and NCCL is told to abort the ones in flight, on a thread of its own
+    /// (the abort may wait for the device); returns at once.
+    pub fn abort(&self, reason: &str) {
+        if self.aborted.swap(true, std::sync::atomic::Ordering::AcqRel) {
+            return;
         }
+        *self.reason.lock().unwrap_or_else(|e| e.into_inner()) = reason.to_string();
+        let comm = self.comm as usize;
+        std::thread::spawn(move || {
+            // SAFETY: communicators are never destroyed (type doc), and this one is aborted
+            // once (the flag).
+            unsafe {
+                let _ = nccl::comm_abort(comm as sys::ncclComm_t);
+            }
+        });
+    }
+
+    fn abort_reason(&self) -> String {
+        self.reason
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .clone()
     }
 }
 
-/// The communicator an [`CollectiveOps::all_reduce_sum`] op sums over.
+/// The reduction of a collective.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Reduction {
+    /// Element-wise sum.
+    Sum,
+    /// Element-wise minimum.
+    Min,
+}
+
+/// The communicator and reduction of a [`CollectiveOps::all_reduce`] op.
 #[derive(Clone, Debug)]
-pub struct CommSlot(pub Arc<NcclComm>);
+pub struct CommSlot(pub Arc<NcclComm>, pub Reduction);
 
 /// `x [M, N]` (bf16, f16 or f32, contiguous) summed over `comm`'s ranks, in place: the returned
 /// tensor is `x`'s buffer. A CUDA device and the vendored cubecl-cuda are required.
 pub fn all_reduce_sum(x: Tensor<2>, comm: &Arc<NcclComm>) -> Result<Tensor<2>, KernelError> {
+    all_reduce(x, comm, Reduction::Sum)
+}
+
+/// `x [M, N]` reduced over `comm`'s ranks by `reduction`, in place (see [`all_reduce_sum`]).
+pub fn all_reduce(
+    x: Tensor<2>,
+    comm: &Arc<NcclComm>,
+    reduction: Reduction,
+) -> Result<Tensor<2>, KernelError> {
     if !matches!(x.dtype(), DType::BF16 | DType::F16 | DType::F32) {
         return Err(KernelError::invalid(format!(
             "all_reduce_sum: dtype {:?} (bf16, f16 or f32)",
             x.dtype()
         )));
     }
-    #[allow(unreachable_patterns)]
-    let on_cuda = match x.device().as_dispatch() {
-        burn::backend::DispatchDevice::Cube(cubecl::Device::Cuda(_)) => true,
-        _ => false,
-    };
+    let on_cuda = matches!(
+        x.device().as_dispatch(),
+        burn::backend::DispatchDevice::Cube(cubecl::Device::Cuda(_))
+    );
     if !on_cuda {
         return Err(KernelError::invalid(format!(
             "all_reduce_sum: {:?} is not a CUDA device",
@@ -172,34 +212,48 @@ pub fn all_reduce_sum(x: Tensor<2>, comm: &Arc<NcclComm>) -> Result<Tensor<2>, K
             "all_reduce_sum needs the vendored cubecl-cuda (the stream of CubeCL's work)",
         ));
     }
-    let out = Dispatch::all_reduce_sum(x.into_dispatch(), CommSlot(comm.clone()));
+    let out = Dispatch::all_reduce(x.into_dispatch(), CommSlot(comm.clone(), reduction));
     Ok(Tensor::from_dispatch(out))
 }
 
-/// The sum over ranks as a Burn backend extension (an opaque op of the fusion stream).
+/// The reduction over ranks as a Burn backend extension (an opaque op of the fusion stream).
 #[backend_extension(Cube, Fusion)]
 pub trait CollectiveOps: Backend {
-    /// `x` summed over `comm`'s ranks in place; returns `x`.
-    #[fusion(meta = all_reduce_sum_meta)]
-    fn all_reduce_sum(x: FloatTensor<Self>, comm: CommSlot) -> FloatTensor<Self>;
+    /// `x` reduced over the ranks of `comm.0` by `comm.1`, in place; returns `x`.
+    #[fusion(meta = all_reduce_meta)]
+    fn all_reduce(x: FloatTensor<Self>, comm: CommSlot) -> FloatTensor<Self>;
 }
 
-fn all_reduce_sum_meta(x: &TensorSpec, _comm: &CommSlot) -> TensorSpec {
+fn all_reduce_meta(x: &TensorSpec, _comm: &CommSlot) -> TensorSpec {
     x.clone()
 }
 
 impl CollectiveOps for CubeBackend {
-    fn all_reduce_sum(x: FloatTensor<Self>, comm: CommSlot) -> FloatTensor<Self> {
+    fn all_reduce(x: FloatTensor<Self>, comm: CommSlot) -> FloatTensor<Self> {
         let x = burn_cubecl::kernel::into_contiguous(x);
-        if let Err(e) = enqueue_all_reduce(&x, &comm.0) {
-            panic!("all_reduce_sum: {e}");
+        if let Err(e) = enqueue_all_reduce(&x, &comm.0, comm.1) {
+            panic!("all_reduce: {e}");
         }
         x
     }
 }
 
-/// Enqueues `ncclAllReduce(x, x, sum)` on the stream of `x`'s work.
-fn enqueue_all_reduce(x: &CubeTensor, comm: &Arc<NcclComm>) -> Result<(), String> {
+/// Refused without the vendored cubecl-cuda: the stream of CubeCL's work is unknown.
+#[cfg(not(cubecl_cuda_stream))]
+fn enqueue_all_reduce(_: &CubeTensor, _: &Arc<NcclComm>, _: Reduction) -> Result<(), String> {
+    Err("the stream of CubeCL's work is unknown (published cubecl-cuda)".into())
+}
+
+/// Enqueues `ncclAllReduce(x, x, reduction)` on the stream of `x`'s work.
+#[cfg(cubecl_cuda_stream)]
+fn enqueue_all_reduce(
+    x: &CubeTensor,
+    comm: &Arc<NcclComm>,
+    reduction: Reduction,
+) -> Result<(), String> {
+    if comm.aborted.load(std::sync::atomic::Ordering::Acquire) {
+        return Err(format!("the group was aborted: {}", comm.abort_reason()));
+    }
     let data_type = match x.dtype {
         DType::BF16 => sys::ncclDataType_t::ncclBfloat16,
         DType::F16 => sys::ncclDataType_t::ncclFloat16,
@@ -212,10 +266,7 @@ fn enqueue_all_reduce(x: &CubeTensor, comm: &Arc<NcclComm>) -> Result<(), String
         .get_resource::<CudaServer>(x.handle.clone())
         .map_err(|e| format!("get_resource: {e:?}"))?;
     let ptr = resource.resource().ptr;
-    #[cfg(cubecl_cuda_stream)]
     let stream = resource.resource().stream as usize;
-    #[cfg(not(cubecl_cuda_stream))]
-    let stream: usize = return Err("the stream of CubeCL's work is unknown".into());
     let comm_ptr = comm.comm as usize;
     let result = x
         .client
@@ -228,7 +279,10 @@ fn enqueue_all_reduce(x: &CubeTensor, comm: &Arc<NcclComm>) -> Result<(), String
                     ptr as *mut std::ffi::c_void,
                     count,
                     data_type,
-                    sys::ncclRedOp_t::ncclSum,
+                    match reduction {
+                        Reduction::Sum => sys::ncclRedOp_t::ncclSum,
+                        Reduction::Min => sys::ncclRedOp_t::ncclMin,
+                    },
                     comm_ptr as sys::ncclComm_t,
                     stream as sys::cudaStream_t,
                 )

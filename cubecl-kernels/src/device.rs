@@ -6,7 +6,7 @@ use burn::tensor::Device;
 use crate::KernelError;
 
 /// The devices this crate is built and tested for.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
 pub enum DeviceKind {
     /// Burn's pure-Rust CPU backend (Flex): the reference path, no kernels.
     Cpu,

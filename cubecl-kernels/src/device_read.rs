@@ -32,7 +32,7 @@ struct EnqueuedCopy {
     _client: Arc<cubecl::client::Client>,
 }
 
-/// Where [`DeviceReadOps::read_ints`] leaves the enqueued copy.
+/// Where the read op of [`crate::read_ints_async`] leaves the enqueued copy.
 #[derive(Clone, Default)]
 pub struct ReadSlot(Arc<Mutex<Option<EnqueuedCopy>>>);
 

@@ -38,7 +38,7 @@ impl Drop for Event {
     }
 }
 
-/// Where [`GpuTimelineOps::mark_stream`] leaves its event (empty where none can be recorded).
+/// Where the op of [`crate::mark_stream`] leaves its event (empty where none can be recorded).
 #[derive(Clone, Default)]
 pub struct MarkSlot(Arc<Mutex<Option<Event>>>);
 

@@ -73,7 +73,9 @@ pub use attention::{
     TileCache, paged_attention, prefill_tile_rows, prefill_tiles, rope_store_kv, store_kv,
 };
 #[cfg(feature = "cuda")]
-pub use collective::{CollectiveOps, CommSlot, NcclComm, NcclId, all_reduce_sum};
+pub use collective::{
+    CollectiveOps, CommSlot, NcclComm, NcclId, Reduction, all_reduce, all_reduce_sum,
+};
 #[cfg(feature = "cpu")]
 pub use cpu_builtins::load as load_cpu_builtins;
 pub use device::{DeviceKind, persistent};

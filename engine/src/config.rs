@@ -7,7 +7,7 @@ use crate::error::{EngineError, Result};
 use crate::scheduler::Admission;
 
 /// How the engine runs.
-#[derive(Clone, Debug, PartialEq)]
+#[derive(Clone, Debug, PartialEq, serde::Serialize, serde::Deserialize)]
 pub struct EngineConfig {
     /// Where the model runs.
     pub device: DeviceKind,

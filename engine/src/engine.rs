@@ -33,7 +33,7 @@ mod step_loop;
 use crate::sequence::RequestId;
 use crate::start_up::{self, StartUp};
 use crate::structured_output::{GrammarCompiler, StructuredOutputs};
-use crate::tensor_parallel::{Workers, load_rank};
+use crate::tensor_parallel::{self, ModelSource, Workers, load_rank};
 
 /// The inference engine over one model on one device.
 pub struct LLMEngine {
@@ -95,24 +95,80 @@ struct ModelRun {
 
 impl LLMEngine {
     /// Loads a Hugging Face checkpoint folder (config, weights, tokenizer and
-    /// `generation_config.json` when present) and sizes the KV pool.
+    /// `generation_config.json` when present) and sizes the KV pool. With
+    /// `tensor_parallel_size` > 1 each rank loads its share ([`crate::tensor_parallel`]): on
+    /// CUDA, worker processes of this executable on the GPUs after `device`'s, whose `main`
+    /// must call [`crate::tensor_parallel::serve_if_worker`] first.
     pub fn new(dir: impl AsRef<Path>, config: EngineConfig) -> Result<Self> {
         config.validate()?;
         let (dir, device) = (dir.as_ref(), config.device.device()?);
         if config.tensor_parallel_size > 1 {
-            let group = model_qwen2::HostAllReduce::group(config.tensor_parallel_size);
-            let workers = Workers::spawn_threads(dir, &config, &group)?;
-            let model = load_rank(dir, &config, 0, group[0].clone(), &device);
-            let engine = model.and_then(|m| Self::start(m, Some(dir), device, config));
-            if let Err(e) = &engine {
-                workers.abort(&e.to_string());
-            }
-            let mut engine = engine?;
-            engine.workers = Some(workers);
-            return Ok(engine);
+            return Self::parallel(ModelSource::Checkpoint(dir.to_path_buf()), device, config);
         }
         let model = Qwen2Model::from_pretrained(dir, config.dtype(), &device)?;
         Self::with_model(model, Some(dir), device, config)
+    }
+
+    /// An engine over random weights of `model_config` (like vLLM's `load_format=dummy`:
+    /// benchmarks), split over `tensor_parallel_size` ranks as [`LLMEngine::new`] splits a
+    /// checkpoint; `dir`, when given, is searched for the tokenizer and
+    /// `generation_config.json`.
+    pub fn with_random_weights(
+        model_config: Qwen2Config,
+        dir: Option<&Path>,
+        config: EngineConfig,
+    ) -> Result<Self> {
+        config.validate()?;
+        let device = config.device.device()?;
+        if config.tensor_parallel_size > 1 {
+            let source = ModelSource::Random(model_config, dir.map(Path::to_path_buf));
+            return Self::parallel(source, device, config);
+        }
+        let model = Qwen2Model::dummy(model_config, config.dtype(), &device);
+        Self::with_model(model, dir, device, config)
+    }
+
+    /// Rank 0 of a tensor-parallel group over `source`: starts the other ranks, loads its
+    /// share, starts up with them.
+    fn parallel(source: ModelSource, device: Device, config: EngineConfig) -> Result<Self> {
+        if tensor_parallel::processes::is_worker() {
+            return Err(EngineError::config(
+                "tensor_parallel_size",
+                "this process is a tensor-parallel worker: its main must call \
+                 engine::tensor_parallel::serve_if_worker() first"
+                    .into(),
+            ));
+        }
+        let (all_reduce, workers) = match config.device {
+            #[cfg(feature = "cuda")]
+            cubecl_kernels::DeviceKind::Cuda(index) => {
+                tensor_parallel::processes::spawn(&source, &config, index, &device)?
+            }
+            _ => {
+                let group = model_qwen2::HostAllReduce::group(config.tensor_parallel_size);
+                let workers = tensor_parallel::threads::spawn(&source, &config, &group)?;
+                (group[0].clone(), workers)
+            }
+        };
+        let model = load_rank(&source, &config, 0, all_reduce, &device);
+        // A worker that fails aborts the group, and rank 0's next collective panics with its
+        // reason: an error here, not a panic.
+        let engine = model.and_then(|m| {
+            std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+                Self::start(m, source.dir(), device, config)
+            }))
+            .unwrap_or_else(|panic| {
+                Err(EngineError::Device(crate::error::panic_text(
+                    panic.as_ref(),
+                )))
+            })
+        });
+        if let Err(e) = &engine {
+            workers.abort(&e.to_string());
+        }
+        let mut engine = engine?;
+        engine.workers = Some(workers);
+        Ok(engine)
     }
 
     /// Wraps an already built model (e.g. [`Qwen2Model::dummy`]); `dir`, when given, is searched

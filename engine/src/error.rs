@@ -92,3 +92,12 @@ impl EngineError {
 
 /// Result alias of this crate.
 pub type Result<T, E = EngineError> = std::result::Result<T, E>;
+
+/// A panic's message (`String` or `&str` payloads; "(no message)" otherwise).
+pub(crate) fn panic_text(panic: &(dyn std::any::Any + Send)) -> String {
+    panic
+        .downcast_ref::<String>()
+        .cloned()
+        .or_else(|| panic.downcast_ref::<&str>().map(|s| s.to_string()))
+        .unwrap_or_else(|| "(no message)".into())
+}

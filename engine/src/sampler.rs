@@ -129,7 +129,7 @@ pub fn apply_penalties(logits: Tensor<2>, rows: &[SamplerRow<'_>]) -> Tensor<2> 
 
 /// The logits a step's penalties and bans touch, flattened (`row · V + token`), with their
 /// adjustments: the host's part of [`apply_penalties`].
-#[derive(Clone, Debug, Default, PartialEq)]
+#[derive(Clone, Debug, Default, PartialEq, serde::Serialize, serde::Deserialize)]
 pub struct Penalties {
     index: Vec<i64>,
     repetition: Vec<f32>,
@@ -187,7 +187,7 @@ impl Penalties {
 /// The device part of a step's sampling as plain data: penalties and bans, token masks and
 /// each row's draw. Rank 0 builds it from its requests; every tensor-parallel rank enqueues it
 /// over its own (equal) logits, so every rank writes the same tokens into its draws.
-#[derive(Clone, Debug, PartialEq)]
+#[derive(Clone, Debug, PartialEq, serde::Serialize, serde::Deserialize)]
 pub struct SamplePlan {
     /// Penalties and bans.
     pub penalties: Penalties,
@@ -261,7 +261,7 @@ impl Draws {
 
 /// Structured outputs' token bitmasks of some of a step's rows (see
 /// [`cubecl_kernels::mask_logits`]).
-#[derive(Clone, Debug, PartialEq)]
+#[derive(Clone, Debug, PartialEq, serde::Serialize, serde::Deserialize)]
 pub struct TokenMasks {
     /// `[rows.len(), ⌈V/32⌉]` u32 words (bit set = token allowed).
     pub allowed: TensorData,

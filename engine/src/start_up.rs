@@ -115,6 +115,12 @@ pub(crate) fn start(
         Some(n) => (n, 0),
         None => memory::size_kv_pool(&model, &device, &config, max_model_len, working_set)?,
     };
+    // Tensor-parallel ranks sized their pools apart: every rank takes the smallest, so that a
+    // block id is valid on all of them.
+    let num_kv_blocks = match model.parallel() {
+        Some(p) => p.all_reduce.min(num_kv_blocks),
+        None => num_kv_blocks,
+    };
     // The warm-ups and the graphs' probe served the device's default, and the graphs are
     // captured for it as probed; the scheduler keeps to what the pool can hold.
     let (graph_sizes, graph_seqs) = (config.graph_sizes(), config.max_num_seqs());

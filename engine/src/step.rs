@@ -43,7 +43,7 @@ impl StepSeq<'_> {
 }
 
 /// A [`StepSeq`] that owns its parts: what a tensor-parallel worker receives.
-#[derive(Clone, Debug)]
+#[derive(Clone, Debug, serde::Serialize, serde::Deserialize)]
 pub struct PlannedSeq {
     /// [`StepSeq::new_token_ids`].
     pub new_token_ids: Vec<u32>,

@@ -13,7 +13,7 @@ pub const MIN_HEAD_DIM: usize = 8;
 pub const MAX_HEAD_DIM: usize = 256;
 
 /// The model family, from `architectures[0]`.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
 pub enum Architecture {
     /// `Qwen2ForCausalLM` (Qwen2, Qwen2.5): q/k/v bias, no q/k norm.
     Qwen2,
@@ -26,7 +26,7 @@ pub enum Architecture {
 /// Parsed from `config.json` by [`Qwen2Config::from_file`] / [`Qwen2Config::from_json`], which
 /// refuse settings this implementation does not support (another architecture, sliding-window
 /// attention switched on, RoPE scaling, an activation other than SiLU), naming the field.
-#[derive(Clone, Debug, PartialEq)]
+#[derive(Clone, Debug, PartialEq, serde::Serialize, serde::Deserialize)]
 pub struct Qwen2Config {
     /// Model family.
     pub architecture: Architecture,

@@ -37,6 +37,8 @@ pub use cubecl_kernels::AttentionMetadata;
 pub use error::{ModelError, Result};
 pub use kv_cache::KvCache;
 pub use model::{LogitsRows, Qwen2Model};
+#[cfg(feature = "cuda")]
+pub use tensor_parallel::NcclAllReduce;
 pub use tensor_parallel::{AllReduce, HostAllReduce, Parallel, TpRank};
 pub use tokenizer::{ChatMessage, Qwen2Tokenizer};
 pub use weights::{Checkpoint, RawTensor};

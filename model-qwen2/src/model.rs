@@ -223,11 +223,36 @@ impl Qwen2Model {
     /// ([`cubecl_kernels::persistent`]).
     pub fn dummy(config: Qwen2Config, dtype: DType, device: &Device) -> Self {
         cubecl_kernels::persistent(device, config, |config| {
-            Self::random_weights(config, dtype, device)
+            Self::random_weights(config, None, dtype, device)
         })
     }
 
-    fn random_weights(config: Qwen2Config, dtype: DType, device: &Device) -> Self {
+    /// [`Self::dummy`] of one tensor-parallel rank (`parallel`): random weights of its share's
+    /// shapes (each rank draws its own), [`Self::config`] its own heads and intermediate width.
+    pub fn dummy_part(
+        config: Qwen2Config,
+        parallel: Option<Parallel>,
+        dtype: DType,
+        device: &Device,
+    ) -> Result<Self> {
+        let tp = match &parallel {
+            Some(p) => TpRank::new(p.rank.rank, p.rank.size, &config)?,
+            None => TpRank::SINGLE,
+        };
+        let local = tp.local_config(&config);
+        Ok(cubecl_kernels::persistent(
+            device,
+            (local, parallel),
+            |(local, parallel)| Self::random_weights(local, parallel, dtype, device),
+        ))
+    }
+
+    fn random_weights(
+        config: Qwen2Config,
+        parallel: Option<Parallel>,
+        dtype: DType,
+        device: &Device,
+    ) -> Self {
         let c = &config;
         let (h, i, d) = (c.hidden_size, c.intermediate_size, c.head_dim);
         let qkv_rows = c.q_size() + 2 * c.kv_size();
@@ -261,7 +286,7 @@ impl Qwen2Model {
                     gate_up_proj: Linear::new(normal([2 * i, h]), None),
                     down_proj: Linear::new(normal([h, i]), None),
                 },
-                parallel: None,
+                parallel: parallel.clone(),
             })
             .map(Qwen2DecoderLayer::fold_norm_gains)
             .collect();
@@ -297,6 +322,11 @@ impl Qwen2Model {
             rotary,
             config,
         }
+    }
+
+    /// This rank's place and collective under tensor parallelism (`None`: the whole model).
+    pub fn parallel(&self) -> Option<&Parallel> {
+        self.layers.first().and_then(|l| l.parallel.as_ref())
     }
 
     /// The compute dtype of the weights.

@@ -113,6 +113,10 @@ pub trait AllReduce: Send + Sync + Debug {
     /// The element-wise sum of `x [M, N]` over the ranks, returned on every rank.
     fn sum(&self, x: Tensor<2>) -> Tensor<2>;
 
+    /// The least of every rank's `value` (the ranks agree on sizes they measured apart,
+    /// such as the KV pool's blocks).
+    fn min(&self, value: usize) -> usize;
+
     /// Ends the group for every rank because this one failed (`reason`): the others' pending
     /// and later sums fail instead of waiting for it forever.
     fn abort(&self, reason: &str);
@@ -147,13 +151,22 @@ struct HostGroup {
 #[derive(Debug, Default)]
 struct HostState {
     /// This round's parts, by rank.
-    parts: Vec<Option<TensorData>>,
+    parts: Vec<Option<Part>>,
     arrived: usize,
     /// Completed rounds.
     round: u64,
-    /// The last round's sum.
-    sum: Option<Arc<Vec<f32>>>,
+    /// The last round's result.
+    result: Option<Arc<Part>>,
     failed: Option<String>,
+}
+
+/// One rank's contribution to a round, and a round's result.
+#[derive(Debug)]
+enum Part {
+    /// f32 values to sum.
+    Values(Vec<f32>),
+    /// A count to take the least of.
+    Count(usize),
 }
 
 impl HostAllReduce {
@@ -162,7 +175,7 @@ impl HostAllReduce {
         let group = Arc::new(HostGroup {
             size,
             state: Mutex::new(HostState {
-                parts: vec![None; size],
+                parts: (0..size).map(|_| None).collect(),
                 ..HostState::default()
             }),
             changed: Condvar::new(),
@@ -178,10 +191,9 @@ impl HostAllReduce {
     }
 }
 
-impl AllReduce for HostAllReduce {
-    fn sum(&self, x: Tensor<2>) -> Tensor<2> {
-        let (device, dtype, shape) = (x.device(), x.dtype(), x.shape());
-        let part = x.into_data().convert::<f32>();
+impl HostAllReduce {
+    /// One round: every rank's `part` combined in rank order, the result handed to all.
+    fn round(&self, part: Part) -> Arc<Part> {
         let g = &self.group;
         let mut state = g.state.lock().unwrap_or_else(|e| e.into_inner());
         if let Some(reason) = &state.failed {
@@ -190,17 +202,34 @@ impl AllReduce for HostAllReduce {
         state.parts[self.rank] = Some(part);
         state.arrived += 1;
         if state.arrived == g.size {
-            let mut sum = vec![0.0f32; shape.num_elements()];
-            for part in state.parts.iter_mut() {
-                let part = part.take().expect("every rank left its part");
-                for (s, v) in sum
-                    .iter_mut()
-                    .zip(part.as_slice::<f32>().expect("f32 values"))
-                {
-                    *s += v;
+            let parts: Vec<Part> = state
+                .parts
+                .iter_mut()
+                .map(|p| p.take().expect("every rank left its part"))
+                .collect();
+            let result = match &parts[0] {
+                Part::Values(first) => {
+                    let mut sum = vec![0.0f32; first.len()];
+                    for part in &parts {
+                        let Part::Values(v) = part else {
+                            panic!("the ranks called different collectives");
+                        };
+                        sum.iter_mut().zip(v).for_each(|(s, x)| *s += x);
+                    }
+                    Part::Values(sum)
                 }
-            }
-            state.sum = Some(Arc::new(sum));
+                Part::Count(_) => Part::Count(
+                    parts
+                        .iter()
+                        .map(|p| match p {
+                            Part::Count(c) => *c,
+                            Part::Values(_) => panic!("the ranks called different collectives"),
+                        })
+                        .min()
+                        .unwrap_or(0),
+                ),
+            };
+            state.result = Some(Arc::new(result));
             state.arrived = 0;
             state.round += 1;
             g.changed.notify_all();
@@ -214,9 +243,29 @@ impl AllReduce for HostAllReduce {
                 panic!("tensor-parallel group ended: {reason}");
             }
         }
-        let sum = state.sum.clone().expect("the round's sum");
-        drop(state);
-        Tensor::from_data(TensorData::new(sum.to_vec(), shape), (&device, dtype))
+        state.result.clone().expect("the round's result")
+    }
+}
+
+impl AllReduce for HostAllReduce {
+    fn sum(&self, x: Tensor<2>) -> Tensor<2> {
+        let (device, dtype, shape) = (x.device(), x.dtype(), x.shape());
+        let values = x
+            .into_data()
+            .convert::<f32>()
+            .try_into_vec::<f32>()
+            .expect("f32 values");
+        let Part::Values(sum) = &*self.round(Part::Values(values)) else {
+            unreachable!("a sum round")
+        };
+        Tensor::from_data(TensorData::new(sum.clone(), shape), (&device, dtype))
+    }
+
+    fn min(&self, value: usize) -> usize {
+        match *self.round(Part::Count(value)) {
+            Part::Count(c) => c,
+            Part::Values(_) => unreachable!("a count round"),
+        }
     }
 
     fn abort(&self, reason: &str) {
@@ -225,5 +274,42 @@ impl AllReduce for HostAllReduce {
             .failed
             .get_or_insert_with(|| format!("rank {}: {reason}", self.rank));
         self.group.changed.notify_all();
+    }
+}
+
+/// The collective of one process per GPU: NCCL on CubeCL's stream
+/// ([`cubecl_kernels::all_reduce`]). A failed collective panics with NCCL's error (the engine
+/// counts a panicking forward as a failed device).
+#[cfg(feature = "cuda")]
+#[derive(Debug)]
+pub struct NcclAllReduce {
+    /// The communicator.
+    pub comm: Arc<cubecl_kernels::NcclComm>,
+    /// This rank's device.
+    pub device: burn::tensor::Device,
+}
+
+#[cfg(feature = "cuda")]
+impl AllReduce for NcclAllReduce {
+    fn sum(&self, x: Tensor<2>) -> Tensor<2> {
+        cubecl_kernels::all_reduce_sum(x, &self.comm).unwrap_or_else(|e| panic!("{e}"))
+    }
+
+    fn min(&self, value: usize) -> usize {
+        let x = Tensor::<2>::from_data(
+            TensorData::new(vec![value as f32], [1, 1]),
+            (&self.device, burn::tensor::DType::F32),
+        );
+        let least = cubecl_kernels::all_reduce(x, &self.comm, cubecl_kernels::Reduction::Min)
+            .unwrap_or_else(|e| panic!("{e}"));
+        least
+            .into_data()
+            .convert::<f32>()
+            .as_slice::<f32>()
+            .expect("f32")[0] as usize
+    }
+
+    fn abort(&self, reason: &str) {
+        self.comm.abort(reason);
     }
 }

@@ -28,7 +28,7 @@ use crate::KernelError;
 pub const GREEDY_BELOW: f32 = 1e-5;
 
 /// How one row is sampled.
-#[derive(Clone, Copy, Debug, PartialEq)]
+#[derive(Clone, Copy, Debug, PartialEq, serde::Serialize, serde::Deserialize)]
 pub struct SamplingRow {
     /// Softmax temperature; below [`GREEDY_BELOW`] (0 included) greedy.
     pub temperature: f32,

@@ -93,6 +93,12 @@ impl LLMEngine {
     /// f32 on the host: one scoring forward in a KV cache of its own, outside the engine's pool
     /// and schedule (parity checks, prompt scoring). Fails as `add_request` does on a bad prompt.
     pub fn prompt_logits(&self, prompt: &[u32]) -> Result<Vec<f32>> {
+        if self.workers.is_some() {
+            return Err(EngineError::config(
+                "tensor_parallel_size",
+                "prompt_logits runs the model on rank 0 alone; use one rank".into(),
+            ));
+        }
         self.check_prompt(prompt)?;
         let (model, device) = (self.runner.model(), self.runner.device());
         let bs = self.limits.block_size;

@@ -125,7 +125,7 @@ impl LLMEngine {
                 let counters: Vec<u32> = rows.iter().map(|&(_, pos)| pos as u32).collect();
                 let vocab = logits.dims()[1];
                 let plan = SamplePlan::new(&sampler_rows, masks, &counters, vocab);
-                if let Some(workers) = &self.workers {
+                if let Some(workers) = &mut self.workers {
                     workers.sample(&plan)?;
                 }
                 let (draws, flush) =

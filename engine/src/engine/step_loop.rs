@@ -283,7 +283,7 @@ impl LLMEngine {
             })
             .collect::<Result<_>>()?;
         let graph_steps = self.runner.stats().graph_steps;
-        if let Some(workers) = &self.workers {
+        if let Some(workers) = &mut self.workers {
             workers.forward(&seqs)?;
         }
         let logits = self.runner.forward(&seqs)?;
@@ -352,10 +352,5 @@ impl LLMEngine {
 
 /// The text a panic carried.
 fn panic_message(panic: &(dyn std::any::Any + Send)) -> String {
-    let text = panic
-        .downcast_ref::<String>()
-        .map(String::as_str)
-        .or_else(|| panic.downcast_ref::<&str>().copied())
-        .unwrap_or("(no message)");
-    format!("a step panicked: {text}")
+    format!("a step panicked: {}", crate::error::panic_text(panic))
 }

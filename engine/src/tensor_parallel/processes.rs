@@ -1,0 +1,293 @@
+//! Ranks as processes, one per CUDA GPU, over NCCL: rank 0 (the engine's process) starts this
+//! same executable once per other rank with [`WORKER_ENV`] set and `CUDA_VISIBLE_DEVICES`
+//! naming the rank's GPU; the worker's `main` must call [`serve_if_worker`] first (the CLI and
+//! the benches do; a program that builds a tensor-parallel engine on CUDA must too, as
+//! Python programs guard `__main__` for vLLM's spawned workers).
+//!
+//! Messages: on the worker's stdin, each a little-endian `u32` length and a MessagePack body;
+//! first a `Hello` (where the weights come from, the options, the NCCL id, the rank), then
+//! `ToWorker` steps. The end of stdin (rank 0 gone) ends the worker. A watchdog thread per
+//! worker notices its exit and aborts rank 0's communicator, so that rank 0's pending and
+//! later collectives fail at once instead of waiting for it; rank 0's next message to it then
+//! fails naming the rank and its exit status.
+
+use std::io::{Read, Write};
+use std::process::{Child, ChildStdin, Command, Stdio};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use model_qwen2::AllReduce;
+use serde::{Deserialize, Serialize};
+
+use super::{Link, ModelSource, ToWorker, Workers, load_rank, serve_steps};
+use crate::config::EngineConfig;
+use crate::error::{EngineError, Result};
+
+/// Set in a worker process's environment (to its rank).
+pub const WORKER_ENV: &str = "BURN_NANOVLLM_TP_WORKER";
+
+/// Longest a worker may take to leave after `Stop` before it is killed.
+const LEAVE_TIMEOUT: Duration = Duration::from_secs(10);
+
+/// The first message to a worker.
+#[derive(Debug, Serialize, Deserialize)]
+struct Hello {
+    source: ModelSource,
+    /// The options, the device being the worker's one visible GPU.
+    config: EngineConfig,
+    /// [`cubecl_kernels::NcclId::to_hex`].
+    nccl_id: String,
+    rank: usize,
+}
+
+/// In a worker process (started by rank 0 with [`WORKER_ENV`] set): serves as that rank and
+/// exits the process (status 1 on failure, with the error on stderr). Elsewhere returns at
+/// once. Call it first in `main` of any program that builds a tensor-parallel engine on CUDA.
+pub fn serve_if_worker() {
+    let Some(rank) = std::env::var_os(WORKER_ENV) else {
+        return;
+    };
+    let code = match serve() {
+        Ok(()) => 0,
+        Err(e) => {
+            eprintln!(
+                "burn-nanovllm: tensor-parallel rank {}: {e}",
+                rank.to_string_lossy()
+            );
+            1
+        }
+    };
+    std::process::exit(code);
+}
+
+/// True in a worker process.
+pub(crate) fn is_worker() -> bool {
+    std::env::var_os(WORKER_ENV).is_some()
+}
+
+fn serve() -> Result<()> {
+    let mut stdin = std::io::stdin().lock();
+    let hello: Hello = read_message(&mut stdin)?
+        .ok_or_else(|| EngineError::Device("rank 0 left before the first message".into()))?;
+    let device = hello.config.device.device()?;
+    let all_reduce = join_group(&hello.config, &hello.nccl_id, hello.rank, &device)?;
+    let model = load_rank(
+        &hello.source,
+        &hello.config,
+        hello.rank,
+        all_reduce,
+        &device,
+    )?;
+    serve_steps(model, hello.source.dir(), device, hello.config, || {
+        read_message(&mut stdin)
+    })
+}
+
+/// This process's member of the group named by `nccl_id`.
+#[cfg(feature = "cuda")]
+fn join_group(
+    config: &EngineConfig,
+    nccl_id: &str,
+    rank: usize,
+    device: &burn::tensor::Device,
+) -> Result<Arc<dyn AllReduce>> {
+    let cubecl_kernels::DeviceKind::Cuda(index) = config.device else {
+        return Err(EngineError::config(
+            "tensor_parallel_size",
+            format!(
+                "worker processes run on CUDA devices (device {:?})",
+                config.device
+            ),
+        ));
+    };
+    let id = cubecl_kernels::NcclId::from_hex(nccl_id)?;
+    let comm = cubecl_kernels::NcclComm::join(id, rank, config.tensor_parallel_size, index)?;
+    Ok(Arc::new(model_qwen2::NcclAllReduce {
+        comm,
+        device: device.clone(),
+    }))
+}
+
+#[cfg(not(feature = "cuda"))]
+fn join_group(
+    _: &EngineConfig,
+    _: &str,
+    _: usize,
+    _: &burn::tensor::Device,
+) -> Result<Arc<dyn AllReduce>> {
+    Err(EngineError::config(
+        "tensor_parallel_size",
+        "this build has no CUDA runtime".into(),
+    ))
+}
+
+/// Rank 0 on CUDA device `index`: starts the other ranks' processes on the GPUs after it,
+/// joins the NCCL group with them, and returns its collective and the workers.
+#[cfg(feature = "cuda")]
+pub(crate) fn spawn(
+    source: &ModelSource,
+    config: &EngineConfig,
+    index: usize,
+    device: &burn::tensor::Device,
+) -> Result<(Arc<dyn AllReduce>, Workers)> {
+    let size = config.tensor_parallel_size;
+    let id = cubecl_kernels::NcclId::new()?;
+    let exe = std::env::current_exe()
+        .map_err(|e| EngineError::Device(format!("tensor parallelism: this executable: {e}")))?;
+    let visible: Option<Vec<String>> = std::env::var("CUDA_VISIBLE_DEVICES")
+        .ok()
+        .map(|v| v.split(',').map(|s| s.trim().to_string()).collect());
+    let mut links: Vec<Box<dyn Link>> = Vec::new();
+    let mut workers = Vec::new();
+    for rank in 1..size {
+        let gpu = index + rank;
+        let gpu_name = match &visible {
+            Some(list) => list.get(gpu).cloned().ok_or_else(|| {
+                EngineError::config(
+                    "tensor_parallel_size",
+                    format!(
+                        "rank {rank} needs GPU {gpu}, but CUDA_VISIBLE_DEVICES lists {}",
+                        list.len()
+                    ),
+                )
+            })?,
+            None => gpu.to_string(),
+        };
+        let mut child = Command::new(&exe)
+            .env(WORKER_ENV, rank.to_string())
+            .env("CUDA_VISIBLE_DEVICES", &gpu_name)
+            .stdin(Stdio::piped())
+            .spawn()
+            .map_err(|e| EngineError::Device(format!("tensor-parallel rank {rank}: {e}")))?;
+        let mut stdin = child.stdin.take().expect("piped stdin");
+        let hello = Hello {
+            source: source.clone(),
+            config: EngineConfig {
+                device: cubecl_kernels::DeviceKind::Cuda(0),
+                ..config.clone()
+            },
+            nccl_id: id.to_hex(),
+            rank,
+        };
+        write_message(&mut stdin, &hello)
+            .map_err(|e| EngineError::Device(format!("tensor-parallel rank {rank}: {e}")))?;
+        workers.push((rank, child, stdin));
+    }
+    let comm = cubecl_kernels::NcclComm::join(id, 0, size, index)?;
+    let all_reduce: Arc<dyn AllReduce> = Arc::new(model_qwen2::NcclAllReduce {
+        comm,
+        device: device.clone(),
+    });
+    for (rank, child, stdin) in workers {
+        links.push(Box::new(ProcessLink::watch(
+            rank,
+            child,
+            stdin,
+            all_reduce.clone(),
+        )));
+    }
+    Ok((all_reduce.clone(), Workers::new(links, all_reduce)))
+}
+
+/// A worker process and its watchdog.
+struct ProcessLink {
+    rank: usize,
+    stdin: ChildStdin,
+    child: Arc<Mutex<Child>>,
+    /// Set by the watchdog when the worker exited: its status.
+    exited: Arc<Mutex<Option<String>>>,
+    stopping: Arc<std::sync::atomic::AtomicBool>,
+}
+
+impl ProcessLink {
+    fn watch(rank: usize, child: Child, stdin: ChildStdin, group: Arc<dyn AllReduce>) -> Self {
+        let child = Arc::new(Mutex::new(child));
+        let exited = Arc::new(Mutex::new(None));
+        let stopping = Arc::new(std::sync::atomic::AtomicBool::new(false));
+        let (c, e, s) = (child.clone(), exited.clone(), stopping.clone());
+        std::thread::spawn(move || {
+            loop {
+                let status = c.lock().unwrap_or_else(|p| p.into_inner()).try_wait();
+                match status {
+                    Ok(None) => std::thread::sleep(Duration::from_millis(50)),
+                    Ok(Some(status)) => {
+                        let text = format!("tensor-parallel rank {rank} exited ({status})");
+                        *e.lock().unwrap_or_else(|p| p.into_inner()) = Some(text.clone());
+                        if !s.load(std::sync::atomic::Ordering::Acquire) {
+                            group.abort(&text);
+                        }
+                        return;
+                    }
+                    Err(_) => return,
+                }
+            }
+        });
+        Self {
+            rank,
+            stdin,
+            child,
+            exited,
+            stopping,
+        }
+    }
+}
+
+impl Link for ProcessLink {
+    fn send(&mut self, message: &ToWorker) -> Result<()> {
+        if let Some(status) = self
+            .exited
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .clone()
+        {
+            return Err(EngineError::Device(status));
+        }
+        if matches!(message, ToWorker::Stop) {
+            self.stopping
+                .store(true, std::sync::atomic::Ordering::Release);
+        }
+        write_message(&mut self.stdin, message)
+            .map_err(|e| EngineError::Device(format!("tensor-parallel rank {}: {e}", self.rank)))
+    }
+
+    fn join(&mut self) {
+        let deadline = Instant::now() + LEAVE_TIMEOUT;
+        while Instant::now() < deadline {
+            if self
+                .exited
+                .lock()
+                .unwrap_or_else(|p| p.into_inner())
+                .is_some()
+            {
+                return;
+            }
+            std::thread::sleep(Duration::from_millis(20));
+        }
+        let _ = self.child.lock().unwrap_or_else(|p| p.into_inner()).kill();
+    }
+}
+
+fn write_message<T: Serialize>(out: &mut impl Write, message: &T) -> std::io::Result<()> {
+    let body = rmp_serde::to_vec(message).map_err(std::io::Error::other)?;
+    let len = u32::try_from(body.len()).map_err(std::io::Error::other)?;
+    out.write_all(&len.to_le_bytes())?;
+    out.write_all(&body)?;
+    out.flush()
+}
+
+/// The next message, or `None` at the end of the stream.
+fn read_message<T: for<'de> Deserialize<'de>>(input: &mut impl Read) -> Result<Option<T>> {
+    let mut len = [0u8; 4];
+    match input.read_exact(&mut len) {
+        Ok(()) => {}
+        Err(e) if e.kind() == std::io::ErrorKind::UnexpectedEof => return Ok(None),
+        Err(e) => return Err(EngineError::Device(format!("reading a step: {e}"))),
+    }
+    let mut body = vec![0u8; u32::from_le_bytes(len) as usize];
+    input
+        .read_exact(&mut body)
+        .map_err(|e| EngineError::Device(format!("reading a step: {e}")))?;
+    rmp_serde::from_slice(&body)
+        .map(Some)
+        .map_err(|e| EngineError::Device(format!("decoding a step: {e}")))
+}

@@ -1,0 +1,72 @@
+#!/usr/bin/env bash
+# On a GPU machine with several GPUs of one host (device tool, nvidia-h100-x2 or x4):
+# tensor parallelism. One binary travels per call (each is ~40 MB of the 64 MiB tree):
+#   tensor_parallel.sh check   (dist/burn-nanovllm.xz, models/tiny-english): greedy outputs of
+#       the default model at TP 1, 2 (and 4 where 4 GPUs are seen), f32 and bf16, through
+#       `generate`, compared with TP 1's.
+#   tensor_parallel.sh bench MODEL...   (dist-b/benches.xz): bench.py (`nano`) and one request
+#       of 512 + 128 tokens (`latency`) on random weights of each model's config at TP 1, 2
+#       (and 4), both engines in one process (which must then exit).
+#   tensor_parallel.sh kill MODEL   (dist-b/benches.xz): bench.py at TP 2, a worker killed with
+#       SIGKILL mid-run; how long rank 0 takes to end, and with what error.
+# Logs go to $OUT. NCCL_NVLS_ENABLE=0 (NVLink multicast off) in every process.
+set -uo pipefail
+source "$(dirname "$0")/unpack.sh"
+export NCCL_NVLS_ENABLE=0
+gpus=$(nvidia-smi --list-gpus | wc -l)
+nvidia-smi --query-gpu=index,name,memory.total --format=csv,noheader
+sizes="1 2"
+[ "$gpus" -ge 4 ] && sizes="1 2 4"
+mode=${1:-check}
+shift || true
+case "$mode" in
+  check)
+    prompts=(--prompt "Once upon a time" --prompt "The little dog" --prompt "She opened the door and")
+    for dtype in f32 bf16; do
+      for tp in $sizes; do
+        echo "== generate, default model, $dtype, TP $tp"
+        timeout 300 /tmp/bin/burn-nanovllm generate --device cuda --dtype "$dtype" -tp "$tp" \
+          --temperature 0 --max-tokens 48 --no-progress "${prompts[@]}" \
+          > "$OUT/generate-$dtype-tp$tp.txt" 2> "$OUT/generate-$dtype-tp$tp.log"
+        echo "exit $?"; tail -n 2 "$OUT/generate-$dtype-tp$tp.log"
+      done
+      for tp in $sizes; do
+        [ "$tp" = 1 ] && continue
+        if cmp -s "$OUT/generate-$dtype-tp1.txt" "$OUT/generate-$dtype-tp$tp.txt"; then
+          echo "$dtype TP $tp: identical to TP 1"
+        else
+          echo "$dtype TP $tp: differs from TP 1"
+          diff "$OUT/generate-$dtype-tp1.txt" "$OUT/generate-$dtype-tp$tp.txt" | head -20
+        fi
+      done
+    done
+    ;;
+  bench)
+    for model in "$@"; do
+      for tp in $sizes; do
+        echo "== $model TP $tp"
+        start=$(date +%s)
+        timeout 300 /tmp/bin/benches nano latency --device cuda --dummy "$model" -tp "$tp" \
+          --input-len 512 --output-len 128 --batch-size 1 --out "$OUT/bench-$model-tp$tp.json" \
+          2>&1 | tee "$OUT/bench-$model-tp$tp.log" | grep -E "^$model" | tail -n 2
+        echo "exit ${PIPESTATUS[0]} after $(( $(date +%s) - start )) s"
+      done
+    done
+    ;;
+  kill)
+    model=${1:-qwen2-7b}
+    /tmp/bin/benches nano --device cuda --dummy "$model" -tp 2 > "$OUT/kill.log" 2>&1 &
+    rank0=$!
+    # The step graphs are captured once every rank has started; the timed run follows.
+    for _ in $(seq 1 240); do grep -q "graph 8192 tokens" "$OUT/kill.log" && break; sleep 0.5; done
+    sleep 4
+    worker=$(pgrep -P "$rank0" | head -1)
+    echo "rank 0 $rank0, worker ${worker:-none}"
+    t0=$(date +%s%N); kill -9 "$worker"
+    for _ in $(seq 1 600); do kill -0 "$rank0" 2>/dev/null || break; sleep 0.1; done
+    t1=$(date +%s%N)
+    if kill -0 "$rank0" 2>/dev/null; then echo "rank 0 still running 60 s after the kill"; kill -9 "$rank0"; fi
+    wait "$rank0"; echo "rank 0 exit $? after $(( (t1 - t0) / 1000000 )) ms"
+    grep -v "^graph" "$OUT/kill.log" | grep -iE "error|exited" | head -4
+    ;;
+esac
