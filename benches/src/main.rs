@@ -7,6 +7,7 @@ mod decode_step;
 mod engine_bench;
 mod grammar;
 mod host_profile;
+mod isolation;
 mod linear;
 mod record;
 mod report;
@@ -56,7 +57,7 @@ struct Cli {
     #[arg(long)]
     record: Option<PathBuf>,
     /// Model of the engine suites (random weights of its config): qwen2-0.5b, qwen2-1.5b,
-    /// qwen2-7b (Qwen2.5-7B-Instruct's) or qwen3-0.6b.
+    /// qwen2-7b, qwen2-32b, qwen2-72b (Qwen2.5-7B/32B/72B-Instruct's) or qwen3-0.6b.
     #[arg(long, default_value = "qwen2-0.5b")]
     dummy: String,
     /// Engine suites: a checkpoint folder or Hugging Face repo id (real weights) instead of
@@ -182,6 +183,10 @@ enum Suite {
     Throughput,
     /// vLLM's `bench latency`: end-to-end time of one batch, through the engine.
     Latency,
+    /// A plain request's latency alone and beside each kind of hostile request the server
+    /// bounds (slow grammar compiles, 256 stop strings, 1 MB prompts, n = 64), over HTTP:
+    /// against `--url` or the in-process server (needs a tokenizer: `--model` or `--tokenizer`).
+    Isolation,
     /// Structured outputs' host cost: masks and matcher advances per step for `--ms` rows
     /// (default 1,16,64,128,256) over `--output-len` steps; needs `--tokenizer` (no device).
     Grammar,
@@ -193,6 +198,8 @@ fn config(name: &str) -> Result<Qwen2Config> {
         "qwen2-0.5b" => include_str!("../configs/qwen2-0.5b.json"),
         "qwen2-1.5b" => include_str!("../configs/qwen2-1.5b.json"),
         "qwen2-7b" => include_str!("../configs/qwen2-7b.json"),
+        "qwen2-32b" => include_str!("../configs/qwen2-32b.json"),
+        "qwen2-72b" => include_str!("../configs/qwen2-72b.json"),
         "qwen3-0.6b" => include_str!("../configs/qwen3-0.6b.json"),
         _ => anyhow::bail!("unknown model {name}"),
     };
@@ -310,7 +317,8 @@ fn main() -> Result<()> {
             decode_step::run("qwen2-0.5b", &c, ms, !cli.ours_only, &device, step_dtype).json(),
         );
     }
-    let in_process_serve = cli.suite.contains(&Suite::Serve) && cli.url.is_none();
+    let isolation = cli.suite.contains(&Suite::Isolation);
+    let in_process_serve = (cli.suite.contains(&Suite::Serve) || isolation) && cli.url.is_none();
     let engine_suites = [
         Suite::Nano,
         Suite::Throughput,
@@ -408,7 +416,7 @@ fn main() -> Result<()> {
                 engine_bench::build_engine(&setup)
                     .map_err(|e| burn_nanovllm::LlmError::Invalid(format!("{e:#}")))
             };
-            serve_target = Some(if cli.http {
+            serve_target = Some(if cli.http || isolation {
                 serve_bench::Target::Url(serve_bench::spawn_server(make)?)
             } else {
                 let (metrics, _) = burn_nanovllm::server::Metrics::new();
@@ -424,6 +432,12 @@ fn main() -> Result<()> {
             let report = engine_bench::latency(&setup, &cli.batch_size, &workload, iters, dtype)?;
             tables.push(report.json());
         }
+    }
+    if isolation {
+        let Some(serve_bench::Target::Url(url)) = &serve_target else {
+            anyhow::bail!("the isolation suite needs a server: --url, or an engine suite's model");
+        };
+        tables.push(isolation::run(url)?.json());
     }
     if let Some(target) = serve_target.filter(|_| cli.suite.contains(&Suite::Serve)) {
         let workload = serve_bench::ServeWorkload {

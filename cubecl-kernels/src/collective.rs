@@ -158,6 +158,7 @@ impl NcclComm {
         });
     }
 
+    #[cfg_attr(not(cubecl_cuda_stream), allow(dead_code))]
     fn abort_reason(&self) -> String {
         self.reason
             .lock()
