@@ -81,3 +81,40 @@ fn sizes_that_do_not_divide_the_model_are_refused() {
     );
     assert!(err.to_string().contains("num_attention_heads"), "{err}");
 }
+
+/// A device failure on rank 0 mid-run (injected at its fourth forward, after the workers were
+/// sent that step) ends the engine with its cause and every request; the workers, left waiting
+/// in the step's first all-reduce, leave the group, and dropping the engine returns (bounded
+/// here by a minute).
+#[test]
+fn a_failed_rank_ends_the_engine_and_its_workers() {
+    let (done, finished) = std::sync::mpsc::channel();
+    std::thread::spawn(move || {
+        let name = "qwen2-tiny-untied";
+        let prompts = Golden::load(name).prompts();
+        let mut engine = engine_on(name, test_device(), tp(2, small_config()));
+        engine.set_fault_hook(Box::new(|forward| match forward {
+            0..3 => Ok(()),
+            _ => Err(format!("injected device fault at forward {forward}")),
+        }));
+        for p in prompts.iter().take(4) {
+            engine.add_request(p.clone(), greedy(20)).unwrap();
+        }
+        let err = loop {
+            if let Err(e) = engine.step() {
+                break e;
+            }
+        };
+        let unfinished = engine.has_unfinished();
+        drop(engine);
+        let _ = done.send((err, unfinished));
+    });
+    let (err, unfinished) = finished
+        .recv_timeout(std::time::Duration::from_secs(60))
+        .expect("the engine and its workers stopped");
+    assert!(
+        matches!(&err, EngineError::DeviceFailed(c) if c.contains("injected device fault at forward 3")),
+        "{err}"
+    );
+    assert!(!unfinished);
+}
