@@ -133,6 +133,21 @@ pub fn tight_pool(config: EngineConfig) -> EngineConfig {
     }
 }
 
+/// A seeded draw after top-k 40, top-p 0.9 and min-p 0.01 at temperature 0.8, `n` tokens,
+/// end-of-sequence ignored.
+pub fn seeded(seed: u64, n: usize) -> SamplingParams {
+    SamplingParams {
+        temperature: 0.8,
+        top_k: 40,
+        top_p: 0.9,
+        min_p: 0.01,
+        seed: Some(seed),
+        ignore_eos: true,
+        max_tokens: n,
+        ..SamplingParams::default()
+    }
+}
+
 /// Greedy, `n` tokens, end-of-sequence ignored.
 pub fn greedy(n: usize) -> SamplingParams {
     SamplingParams {

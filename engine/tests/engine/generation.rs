@@ -207,16 +207,7 @@ fn preemption_by_recompute_keeps_greedy_outputs() {
 fn seeded_sampling_is_reproducible_whatever_the_batch() {
     let name = "qwen2-tiny-tied";
     let prompts = Golden::load(name).prompts();
-    let seeded = |seed| SamplingParams {
-        temperature: 0.8,
-        top_k: 40,
-        top_p: 0.9,
-        min_p: 0.01,
-        seed: Some(seed),
-        ignore_eos: true,
-        max_tokens: 16,
-        ..SamplingParams::default()
-    };
+    let seeded = |seed| seeded(seed, 16);
     let alone = run_all(
         &mut engine_on(name, test_device(), small_config()),
         vec![(prompts[2].clone(), seeded(7))],

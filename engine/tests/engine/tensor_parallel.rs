@@ -33,17 +33,10 @@ fn sampling_preemption_and_prefix_hits_match_one_rank() {
     let name = "qwen2-tiny-untied";
     let prompts = Golden::load(name).prompts();
     let seeded = |seed| SamplingParams {
-        temperature: 0.8,
-        top_k: 40,
-        top_p: 0.9,
-        min_p: 0.01,
-        seed: Some(seed),
-        ignore_eos: true,
-        max_tokens: 24,
         repetition_penalty: 1.2,
         frequency_penalty: 0.3,
         logit_bias: vec![(7, 2.0)],
-        ..SamplingParams::default()
+        ..seeded(seed, 24)
     };
     let mut requests: Vec<_> = prompts
         .iter()
