@@ -194,13 +194,13 @@ impl StepInputs {
         block_size: usize,
         tile_rows: usize,
     ) -> Result<Option<Self>> {
-        let tokens: usize = seqs.iter().map(|s| s.num_new_tokens).sum();
-        let decodes = seqs.iter().take_while(|s| s.num_new_tokens == 1).count();
+        let tokens: usize = seqs.iter().map(|s| s.num_new_tokens()).sum();
+        let decodes = seqs.iter().take_while(|s| s.num_new_tokens() == 1).count();
         let prefills = seqs.len() - decodes;
         let samples = seqs.iter().filter(|s| s.samples).count();
         let tiles: usize = seqs[decodes..]
             .iter()
-            .map(|s| s.num_new_tokens.div_ceil(tile_rows))
+            .map(|s| s.num_new_tokens().div_ceil(tile_rows))
             .sum();
         if tokens > cap.tokens
             || decodes > cap.decodes
@@ -235,7 +235,7 @@ impl StepInputs {
                 )));
             }
             let start = s.num_computed_tokens;
-            for (p, id) in (start..start + s.num_new_tokens).zip(s.new_ids()) {
+            for (p, id) in (start..start + s.num_new_tokens()).zip(s.new_ids()) {
                 x.ids[row] = id as i32;
                 x.positions[row] = p as i32;
                 x.slots[row] =
@@ -249,14 +249,14 @@ impl StepInputs {
                 x.sample_rows[sample] = row as i32 - 1;
                 sample += 1;
             }
-            let context = (start + s.num_new_tokens) as i32;
+            let context = (start + s.num_new_tokens()) as i32;
             let at = if i < decodes {
                 x.decode_context[i] = context;
                 layout.decode_row(i)
             } else {
                 let p = i - decodes;
                 x.prefill_context[p] = context;
-                x.cu_seqlens[p] = (row - s.num_new_tokens) as i32;
+                x.cu_seqlens[p] = (row - s.num_new_tokens()) as i32;
                 layout.prefill_row(p)
             };
             let first = x.table_ids.len();
@@ -265,7 +265,12 @@ impl StepInputs {
         }
         let lens: Vec<(usize, usize)> = seqs[decodes..]
             .iter()
-            .map(|s| (s.num_new_tokens, s.num_computed_tokens + s.num_new_tokens))
+            .map(|s| {
+                (
+                    s.num_new_tokens(),
+                    s.num_computed_tokens + s.num_new_tokens(),
+                )
+            })
             .collect();
         for (i, tile) in prefill_tiles(&lens, tile_rows).into_iter().enumerate() {
             x.tiles[2 * i..2 * i + 2].copy_from_slice(&tile);

@@ -198,7 +198,7 @@ impl ModelRunner {
             return Ok(seqs.iter().any(|s| s.samples).then_some(logits));
         }
         let bs = self.block_size;
-        let mut ids = Vec::with_capacity(seqs.iter().map(|s| s.num_new_tokens).sum());
+        let mut ids = Vec::with_capacity(seqs.iter().map(|s| s.num_new_tokens()).sum());
         let mut sample_rows = Vec::new();
         let mut draw_rows = Vec::new();
         for s in seqs {
@@ -212,9 +212,9 @@ impl ModelRunner {
             }
         }
         let meta = AttentionMetadata::new(
-            seqs.iter().map(|s| s.num_new_tokens).collect(),
+            seqs.iter().map(|s| s.num_new_tokens()).collect(),
             seqs.iter()
-                .map(|s| s.num_computed_tokens + s.num_new_tokens)
+                .map(|s| s.num_computed_tokens + s.num_new_tokens())
                 .collect(),
             seqs.iter().map(|s| s.block_table.to_vec()).collect(),
             bs,

@@ -297,10 +297,6 @@ pub fn sample(
     counters: &[u32],
     draws: &mut Tensor<1, Int>,
 ) -> Result<(Draws, Duration)> {
-    let n = rows.len();
-    if n == 0 {
-        return Ok((Draws::Ready(Vec::new()), Duration::ZERO));
-    }
     let vocab = logits.dims()[1];
     sample_planned(
         logits,

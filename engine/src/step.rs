@@ -13,13 +13,11 @@ use burn::tensor::{Int, Tensor};
 /// One sequence's part of a step, as the runner needs it.
 #[derive(Clone, Copy, Debug)]
 pub struct StepSeq<'a> {
-    /// The tokens this step computes (`num_new_tokens` of them, from position
-    /// `num_computed_tokens`; the last one a placeholder when `pending_row` is set).
+    /// The tokens this step computes, from position `num_computed_tokens` (the last one a
+    /// placeholder when `pending_row` is set).
     pub new_token_ids: &'a [u32],
-    /// Tokens already in the cache; this step computes the next `num_new_tokens`.
+    /// Tokens already in the cache.
     pub num_computed_tokens: usize,
-    /// Tokens computed in this step.
-    pub num_new_tokens: usize,
     /// Its blocks (covering every token computed after this step).
     pub block_table: &'a [u32],
     /// The step samples its next token.
@@ -29,9 +27,14 @@ pub struct StepSeq<'a> {
 }
 
 impl StepSeq<'_> {
+    /// Tokens computed in this step.
+    pub fn num_new_tokens(&self) -> usize {
+        self.new_token_ids.len()
+    }
+
     /// The host token ids of its new tokens (0 for a token still on the device).
     pub fn new_ids(&self) -> impl Iterator<Item = u32> + '_ {
-        let last = self.num_new_tokens - 1;
+        let last = self.num_new_tokens() - 1;
         self.new_token_ids.iter().enumerate().map(move |(i, &t)| {
             if self.pending_row.is_some() && i == last {
                 0
@@ -74,7 +77,6 @@ impl PlannedSeq {
         StepSeq {
             new_token_ids: &self.new_token_ids,
             num_computed_tokens: self.num_computed_tokens,
-            num_new_tokens: self.new_token_ids.len(),
             block_table: &self.block_table,
             samples: self.samples,
             pending_row: self.pending_row,

@@ -275,7 +275,6 @@ impl LLMEngine {
                 Ok(StepSeq {
                     new_token_ids: &seq.token_ids[start..start + s.num_new_tokens],
                     num_computed_tokens: seq.num_computed_tokens,
-                    num_new_tokens: s.num_new_tokens,
                     block_table: &seq.block_table,
                     samples: s.samples,
                     pending_row,
