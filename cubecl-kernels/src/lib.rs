@@ -91,7 +91,10 @@ pub use rms_norm_linear::{
 #[cfg(feature = "cuda")]
 pub use rms_norm_linear::{cublas_stream_ordered, cublas_unavailable_reason};
 pub use row_scale::{RowScale, fold_norm_gain};
-pub use sampling::{SamplingRow, mask_logits, mask_words, sample, sample_into};
+pub use sampling::{
+    SamplingRow, VocabShard, mask_logits, mask_words, pick_exchanged_into, sample, sample_into,
+    sample_shard,
+};
 pub use silu_mul::silu_mul;
 
 use burn::backend::DispatchDevice;

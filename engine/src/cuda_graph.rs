@@ -260,7 +260,7 @@ impl StepGraphs {
         let meta = buffers.metadata(&self.tables, cap, bs, rows, self.max_model_len);
         let ids = feed_draws(buffers.part(IDS), buffers.part(DRAW_ROWS), draws.clone());
         let mut cache = self.cache.lock().expect("KV cache lock");
-        self.model.forward_model_dtype(
+        self.model.forward_vocab_shard(
             ids,
             &meta,
             &mut cache,

@@ -177,7 +177,8 @@ impl ModelRunner {
 
     /// Runs one step. `seqs` lists the decode rows (one new token each) first, then the
     /// prefill chunks; a row with [`StepSeq::pending_row`] takes its token from the last
-    /// step's draws. Returns the logits `[rows, V]` of the sequences that sample, in order, in
+    /// step's draws. Returns the logits `[rows, V]` (this rank's columns `[rows, V_shard]` under
+    /// tensor parallelism) of the sequences that sample, in order, in
     /// the model's dtype (the sampler reads them as they are), or `None` when none samples.
     pub fn forward(&mut self, seqs: &[StepSeq<'_>]) -> Result<Option<Tensor<2>>> {
         let start = Instant::now();
@@ -241,7 +242,7 @@ impl ModelRunner {
         } else if sample_rows.len() == ids.len() {
             Some(
                 self.model
-                    .forward_model_dtype(input, &meta, &mut cache, LogitsRows::All),
+                    .forward_vocab_shard(input, &meta, &mut cache, LogitsRows::All),
             )
         } else {
             let n = sample_rows.len();
@@ -255,7 +256,7 @@ impl ModelRunner {
                 ),
                 (&self.device, DType::I32),
             );
-            Some(self.model.forward_model_dtype(
+            Some(self.model.forward_vocab_shard(
                 input,
                 &meta,
                 &mut cache,

@@ -7,12 +7,15 @@
 //! asynchronously ([`Draws`]): the engine enqueues the next step before it waits for them.
 
 use std::collections::BTreeMap;
+use std::ops::Range;
+use std::sync::OnceLock;
 use std::time::{Duration, Instant};
 
 use burn::tensor::{
     DType, FloatDType, IndexingUpdateOp, Int, Tensor, TensorData, activation::log_softmax,
 };
-use cubecl_kernels::SamplingRow;
+use cubecl_kernels::{SamplingRow, VocabShard};
+use model_qwen2::{Parallel, Qwen2Model};
 
 use crate::error::{EngineError, Result};
 use crate::sampling_params::SamplingParams;
@@ -152,6 +155,23 @@ impl Penalties {
         p
     }
 
+    /// Those of the tokens `tokens` of a `vocab`-token vocabulary, indexed into a shard of
+    /// the logits (`row · V_shard + token − tokens.start`).
+    pub fn shard(&self, vocab: usize, tokens: &Range<usize>) -> Self {
+        let mut p = Self::default();
+        for (k, &at) in self.index.iter().enumerate() {
+            let (row, token) = (at as usize / vocab, at as usize % vocab);
+            if tokens.contains(&token) {
+                p.index
+                    .push((row * tokens.len() + token - tokens.start) as i64);
+                p.repetition.push(self.repetition[k]);
+                p.subtract.push(self.subtract[k]);
+                p.banned.push(self.banned[k]);
+            }
+        }
+        p
+    }
+
     /// Applies them to `logits [rows, V]` on its device (as they came when there are none,
     /// else in f32).
     pub fn apply(&self, logits: Tensor<2>) -> Tensor<2> {
@@ -186,7 +206,7 @@ impl Penalties {
 
 /// The device part of a step's sampling as plain data: penalties and bans, token masks and
 /// each row's draw. Rank 0 builds it from its requests; every tensor-parallel rank enqueues it
-/// over its own (equal) logits, so every rank writes the same tokens into its draws.
+/// over its own shard of the logits, so every rank writes the same tokens into its draws.
 #[derive(Clone, Debug, PartialEq, serde::Serialize, serde::Deserialize)]
 pub struct SamplePlan {
     /// Penalties and bans.
@@ -195,36 +215,116 @@ pub struct SamplePlan {
     pub masks: TokenMasks,
     /// Each row's draw.
     pub rows: Vec<SamplingRow>,
+    /// The whole vocabulary's size.
+    pub vocab: usize,
+    /// Some row needs its whole row of logits (a filter, or log-probabilities): under tensor
+    /// parallelism the ranks gather the logits instead of exchanging each shard's draw.
+    pub whole_rows: bool,
+}
+
+/// A tensor-parallel rank's columns of the logits and its group: how [`SamplePlan::enqueue`]
+/// draws from a shard.
+#[derive(Clone, Debug)]
+pub struct LogitsShard {
+    /// The rank's place and collective.
+    pub parallel: Parallel,
+    /// The rank's tokens (its columns of the logits).
+    pub tokens: Range<usize>,
+}
+
+impl LogitsShard {
+    /// The shard `model`'s LM head computes (`None` for a whole model).
+    pub fn of(model: &Qwen2Model) -> Option<Self> {
+        model.parallel().map(|parallel| Self {
+            parallel: parallel.clone(),
+            tokens: model.vocab.clone(),
+        })
+    }
+}
+
+/// `BURN_NANOVLLM_TP_LOGITS=gather` (benchmarks): tensor-parallel ranks gather every step's
+/// logits instead of exchanging each shard's draw.
+fn always_gather() -> bool {
+    static GATHER: OnceLock<bool> = OnceLock::new();
+    *GATHER.get_or_init(|| std::env::var("BURN_NANOVLLM_TP_LOGITS").is_ok_and(|v| v == "gather"))
 }
 
 impl SamplePlan {
     /// The plan of `rows` (constrained rows under `masks`; `counters[r]`: the position of the
-    /// token row `r` draws).
+    /// token row `r` draws) over a `vocab`-token vocabulary.
     pub fn new(rows: &[SamplerRow<'_>], masks: TokenMasks, counters: &[u32], vocab: usize) -> Self {
+        let draws: Vec<SamplingRow> = rows
+            .iter()
+            .zip(counters)
+            .map(|(r, &counter)| SamplingRow {
+                temperature: r.params.temperature,
+                top_k: r.params.top_k,
+                top_p: r.params.top_p,
+                min_p: r.params.min_p,
+                seed: r.seed,
+                counter,
+            })
+            .collect();
         Self {
             penalties: Penalties::new(rows, vocab),
             masks,
-            rows: rows
-                .iter()
-                .zip(counters)
-                .map(|(r, &counter)| SamplingRow {
-                    temperature: r.params.temperature,
-                    top_k: r.params.top_k,
-                    top_p: r.params.top_p,
-                    min_p: r.params.min_p,
-                    seed: r.seed,
-                    counter,
-                })
-                .collect(),
+            whole_rows: rows.iter().any(|r| r.params.logprobs.is_some())
+                || draws.iter().any(|d| d.needs_whole_row(vocab)),
+            rows: draws,
+            vocab,
         }
     }
 
-    /// Enqueues it over `logits [rows, V]`: the tokens land in `draws[..rows]` in place.
-    /// The masks are uploaded as they are (pinned upload memory stays uncopied).
-    pub fn enqueue(self, logits: Tensor<2>, draws: &mut Tensor<1, Int>) -> Result<()> {
-        let logits = self.penalties.apply(logits);
+    /// Enqueues it over `logits [rows, V]`, or under tensor parallelism (`shard`) over this
+    /// rank's columns `[rows, V_shard]` — a collective: every rank of the group calls it with
+    /// the same plan. There, each rank draws each row over its own tokens and the ranks sum
+    /// every rank's (score, token) pairs (`cubecl_kernels::sample_shard`), or, when the plan
+    /// needs whole rows, gather the logits first. The tokens land in `draws[..rows]` in place;
+    /// the masks are uploaded as they are (pinned upload memory stays uncopied). With
+    /// `keep_whole` (log-probabilities; such a plan needs whole rows) it returns the whole
+    /// logits as they came, before penalties (held, they cost the in-place masks a copy).
+    pub fn enqueue(
+        self,
+        logits: Tensor<2>,
+        draws: &mut Tensor<1, Int>,
+        shard: Option<&LogitsShard>,
+        keep_whole: bool,
+    ) -> Result<Option<Tensor<2>>> {
+        let whole = match shard {
+            None => logits,
+            Some(s) if self.whole_rows || always_gather() => {
+                s.parallel.gather_vocab(logits, s.tokens.start, self.vocab)
+            }
+            Some(s) => {
+                self.enqueue_shard(logits, draws, s)?;
+                return Ok(None);
+            }
+        };
+        let raw = keep_whole.then(|| whole.clone());
+        let logits = self.penalties.apply(whole);
         let logits = cubecl_kernels::mask_logits(logits, self.masks.allowed, &self.masks.rows)?;
         cubecl_kernels::sample_into(logits, &self.rows, draws)?;
+        Ok(raw)
+    }
+
+    /// [`Self::enqueue`] over a shard, by exchange.
+    fn enqueue_shard(
+        self,
+        logits: Tensor<2>,
+        draws: &mut Tensor<1, Int>,
+        s: &LogitsShard,
+    ) -> Result<()> {
+        let logits = self.penalties.shard(self.vocab, &s.tokens).apply(logits);
+        let allowed = self.masks.shard(&s.tokens)?;
+        let logits = cubecl_kernels::mask_logits(logits, allowed, &self.masks.rows)?;
+        let shard = VocabShard {
+            first: s.tokens.start,
+            slot: s.parallel.rank.rank,
+            slots: s.parallel.rank.size,
+        };
+        let exchange = cubecl_kernels::sample_shard(logits, &self.rows, shard, self.vocab)?;
+        let exchange = s.parallel.all_reduce.sum(exchange);
+        cubecl_kernels::pick_exchanged_into(exchange, draws)?;
         Ok(())
     }
 }
@@ -270,6 +370,35 @@ pub struct TokenMasks {
 }
 
 impl TokenMasks {
+    /// The masks' bits of the tokens `tokens` (a vocabulary shard): `[rows, ⌈V_shard/32⌉]`.
+    pub fn shard(&self, tokens: &Range<usize>) -> Result<TensorData> {
+        let m = self.rows.len();
+        let words = self.allowed.shape().as_slice()[1];
+        let allowed = self
+            .allowed
+            .as_slice::<u32>()
+            .map_err(|e| EngineError::Device(format!("token masks: {e:?}")))?;
+        let out_words = cubecl_kernels::mask_words(tokens.len());
+        let (skip, shift) = (tokens.start / 32, tokens.start % 32);
+        let mut out = vec![0u32; m * out_words];
+        for r in 0..m {
+            let row = &allowed[r * words..(r + 1) * words];
+            for (j, w) in out[r * out_words..(r + 1) * out_words]
+                .iter_mut()
+                .enumerate()
+            {
+                let lo = row.get(skip + j).copied().unwrap_or(0);
+                let hi = row.get(skip + j + 1).copied().unwrap_or(0);
+                *w = if shift == 0 {
+                    lo
+                } else {
+                    (lo >> shift) | (hi << (32 - shift))
+                };
+            }
+        }
+        Ok(TensorData::new(out, [m, out_words]))
+    }
+
     /// No masks, for a `vocab_size`-token vocabulary.
     pub fn none(vocab_size: usize) -> Self {
         Self {
@@ -303,38 +432,38 @@ pub fn sample(
         rows,
         SamplePlan::new(rows, masks, counters, vocab),
         draws,
+        None,
     )
 }
 
-/// [`sample`] with the device part already planned (`plan`, of `rows`): rank 0 of a
-/// tensor-parallel group sends the plan to the other ranks, then samples with it itself.
+/// [`sample`] with the device part already planned (`plan`, of `rows`), over `logits` or, under
+/// tensor parallelism (`shard`), this rank's columns of them: rank 0 of a tensor-parallel group
+/// sends the plan to the other ranks, then samples with it itself.
 pub fn sample_planned(
     logits: Tensor<2>,
     rows: &[SamplerRow<'_>],
     plan: SamplePlan,
     draws: &mut Tensor<1, Int>,
+    shard: Option<&LogitsShard>,
 ) -> Result<(Draws, Duration)> {
     let n = rows.len();
     if n == 0 {
         return Ok((Draws::Ready(Vec::new()), Duration::ZERO));
     }
-    let raw = rows
-        .iter()
-        .any(|r| r.params.logprobs.is_some())
-        .then(|| logits.clone());
-    plan.enqueue(logits, draws)?;
+    let wanted: Vec<usize> = (0..n)
+        .filter(|&r| rows[r].params.logprobs.is_some())
+        .collect();
+    let whole = plan.enqueue(logits, draws, shard, !wanted.is_empty())?;
     let flush = Instant::now();
     let pending = cubecl_kernels::read_ints_async(&draws.clone().slice(0..n))
         .map_err(|e| EngineError::Device(format!("sampled ids: {e}")))?;
     let flush = flush.elapsed();
-    let Some(raw) = raw else {
-        return Ok((Draws::Copying(pending, n), flush));
+    let raw = match whole {
+        Some(raw) if !wanted.is_empty() => raw,
+        _ => return Ok((Draws::Copying(pending, n), flush)),
     };
     let mut out = Draws::Copying(pending, n).wait()?;
     let ids: Vec<u32> = out.iter().map(|s| s.token_id).collect();
-    let wanted: Vec<usize> = (0..n)
-        .filter(|&r| rows[r].params.logprobs.is_some())
-        .collect();
     let all = logprobs(raw, &wanted, rows, &ids)?;
     for (r, lp) in wanted.into_iter().zip(all) {
         out[r].logprobs = Some(lp);

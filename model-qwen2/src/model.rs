@@ -1,5 +1,6 @@
 //! The Qwen2 / Qwen2.5 / Qwen3 causal language model as a Burn module.
 
+use std::ops::Range;
 use std::path::Path;
 
 use burn::module::{Module, Param};
@@ -34,19 +35,24 @@ pub enum LogitsRows {
 /// sequence's keys and values live in the paged [`KvCache`].
 #[derive(Module, Debug)]
 pub struct Qwen2Model {
-    /// Token embedding, `[V, H]`.
+    /// Token embedding, `[V, H]` (under tensor parallelism this rank's rows, [`Self::vocab`]).
     pub embed_tokens: Param<Tensor<2>>,
     /// Decoder layers.
     pub layers: Vec<Qwen2DecoderLayer>,
     /// Final RMSNorm, `[H]`.
     pub norm: RmsNorm,
-    /// LM head, `[V, H]`; shares `embed_tokens`' buffer when the embeddings are tied.
+    /// LM head, `[V, H]` (this rank's rows under tensor parallelism); shares `embed_tokens`'
+    /// buffer when the embeddings are tied.
     pub lm_head: Linear,
     /// RoPE tables.
     pub rotary: RotaryEmbedding,
     /// The configuration the model was built from.
     #[module(skip)]
     pub config: Qwen2Config,
+    /// The tokens of this rank's embedding and LM head rows (the whole vocabulary on one
+    /// device).
+    #[module(skip)]
+    pub vocab: Range<usize>,
 }
 
 impl Qwen2Model {
@@ -109,9 +115,11 @@ impl Qwen2Model {
         let kv_rows = kv_heads.start * d..kv_heads.end * d;
         let inner = tp.intermediate(c);
         let local = tp.local_config(c);
-        let embed = ckpt.tensor(
+        let vocab = tp.vocab(c);
+        let embed = ckpt.tensor_part(
             "model.embed_tokens.weight",
             [c.vocab_size, h],
+            (0, vocab.clone()),
             dtype,
             device,
         )?;
@@ -211,10 +219,16 @@ impl Qwen2Model {
             let _ = ckpt.raw("lm_head.weight", &[c.vocab_size, h]);
             embed.clone()
         } else {
-            ckpt.tensor("lm_head.weight", [c.vocab_size, h], dtype, device)?
+            ckpt.tensor_part(
+                "lm_head.weight",
+                [c.vocab_size, h],
+                (0, vocab.clone()),
+                dtype,
+                device,
+            )?
         };
         Ok(Self::assemble(
-            local, embed, layers, final_norm, lm_head, device,
+            local, vocab, embed, layers, final_norm, lm_head, device,
         ))
     }
 
@@ -223,7 +237,8 @@ impl Qwen2Model {
     /// ([`cubecl_kernels::persistent`]).
     pub fn dummy(config: Qwen2Config, dtype: DType, device: &Device) -> Self {
         cubecl_kernels::persistent(device, config, |config| {
-            Self::random_weights(config, None, dtype, device)
+            let vocab = 0..config.vocab_size;
+            Self::random_weights(config, vocab, None, dtype, device)
         })
     }
 
@@ -239,16 +254,17 @@ impl Qwen2Model {
             Some(p) => TpRank::new(p.rank.rank, p.rank.size, &config)?,
             None => TpRank::SINGLE,
         };
-        let local = tp.local_config(&config);
+        let (local, vocab) = (tp.local_config(&config), tp.vocab(&config));
         Ok(cubecl_kernels::persistent(
             device,
-            (local, parallel),
-            |(local, parallel)| Self::random_weights(local, parallel, dtype, device),
+            (local, vocab, parallel),
+            |(local, vocab, parallel)| Self::random_weights(local, vocab, parallel, dtype, device),
         ))
     }
 
     fn random_weights(
         config: Qwen2Config,
+        vocab: Range<usize>,
         parallel: Option<Parallel>,
         dtype: DType,
         device: &Device,
@@ -290,18 +306,19 @@ impl Qwen2Model {
             })
             .map(Qwen2DecoderLayer::fold_norm_gains)
             .collect();
-        let embed = normal([c.vocab_size, h]);
+        let embed = normal([vocab.len(), h]);
         let lm_head = if c.tie_word_embeddings {
             embed.clone()
         } else {
-            normal([c.vocab_size, h])
+            normal([vocab.len(), h])
         };
         let final_norm = ones(h);
-        Self::assemble(config, embed, layers, final_norm, lm_head, device)
+        Self::assemble(config, vocab, embed, layers, final_norm, lm_head, device)
     }
 
     fn assemble(
         config: Qwen2Config,
+        vocab: Range<usize>,
         embed: Tensor<2>,
         layers: Vec<Qwen2DecoderLayer>,
         norm: RmsNorm,
@@ -321,6 +338,7 @@ impl Qwen2Model {
             lm_head: Linear::new(lm_head, None),
             rotary,
             config,
+            vocab,
         }
     }
 
@@ -353,15 +371,27 @@ impl Qwen2Model {
         ))
     }
 
-    /// Embedding lookup. `input_ids [T]` → `[T, H]`. Ids are clamped into the table on the
-    /// device first: the gather reads unchecked, and a drawn id fed back without a host round
-    /// trip is checked on the host only after the step that reads it (the request is failed
-    /// there; the device never reads out of bounds).
+    /// Embedding lookup. `input_ids [T]` → `[T, H]`. Ids are clamped into the vocabulary on
+    /// the device first: the gather reads unchecked, and a drawn id fed back without a host
+    /// round trip is checked on the host only after the step that reads it (the request is
+    /// failed there; the device never reads out of bounds). Under tensor parallelism each rank
+    /// looks up the ids of its rows ([`Self::vocab`]; zeros for the others) and the ranks sum.
     pub fn embed(&self, input_ids: Tensor<1, Int>) -> Tensor<2> {
-        let rows = self.embed_tokens.val().dims()[0] as i64;
-        self.embed_tokens
-            .val()
-            .select(0, input_ids.clamp(0, rows - 1))
+        let table = self.embed_tokens.val();
+        let ids = input_ids.clamp(0, self.config.vocab_size as i64 - 1);
+        let Some(parallel) = self.parallel() else {
+            return table.select(0, ids);
+        };
+        let rows = table.dims()[0] as i64;
+        let local = ids.sub_scalar(self.vocab.start as i64);
+        let elsewhere = local
+            .clone()
+            .lower_elem(0)
+            .bool_or(local.clone().greater_equal_elem(rows));
+        let x = table.select(0, local.clamp(0, rows - 1));
+        let [t, h] = x.dims();
+        let x = x.mask_fill(elsewhere.unsqueeze_dim::<2>(1).expand([t, h]), 0.0);
+        parallel.all_reduce.sum(x)
     }
 
     /// Runs the decoder over a flattened batch and returns f32 logits.
@@ -383,8 +413,25 @@ impl Qwen2Model {
     /// [`Self::forward`] with the logits in the model's dtype (bf16 for a bf16 checkpoint), as
     /// the LM head writes them: for consumers that read them as they are, such as
     /// `cubecl_kernels::sample`, which then need no f32 copy of `[rows, V]` (at 256 rows of a
-    /// 152k vocabulary, 155 MB written and read every decode step). Same shapes as `forward`.
+    /// 152k vocabulary, 155 MB written and read every decode step). Same shapes as `forward`
+    /// (gathered from the ranks under tensor parallelism).
     pub fn forward_model_dtype(
+        &self,
+        input_ids: Tensor<1, Int>,
+        meta: &AttentionMetadata,
+        cache: &mut KvCache,
+        rows: LogitsRows,
+    ) -> Tensor<2> {
+        let logits = self.forward_vocab_shard(input_ids, meta, cache, rows);
+        match self.parallel() {
+            Some(p) => p.gather_vocab(logits, self.vocab.start, self.config.vocab_size),
+            None => logits,
+        }
+    }
+
+    /// [`Self::forward_model_dtype`]'s columns of this rank's tokens ([`Self::vocab`]):
+    /// `[rows, V_shard]`, not gathered (the whole logits on one device).
+    pub fn forward_vocab_shard(
         &self,
         input_ids: Tensor<1, Int>,
         meta: &AttentionMetadata,

@@ -3,8 +3,11 @@
 //! o_proj and down by input columns, each followed by one all-reduce of the partial products
 //! (the residual added once, by rank 0). Query heads split evenly; key/value heads split when
 //! they divide by the size, else replicated (each rank keeps the head its query heads read, as
-//! vLLM does: Qwen2-0.5B has 2 KV heads). The embedding, final norm and LM head are whole on
-//! every rank, so every rank computes the same logits and draws the same tokens.
+//! vLLM does: Qwen2-0.5B has 2 KV heads). The embedding and the LM head are split by
+//! vocabulary rows, as vLLM's `VocabParallelEmbedding` and `ParallelLMHead`: each rank looks up
+//! the ids of its rows (zeros for the others) and one all-reduce sums the embeddings; each rank
+//! computes its columns of the logits, which the sampler draws from without gathering them
+//! (see `cubecl_kernels::sample_shard`), or [`Parallel::gather_vocab`] gathers.
 
 use std::fmt::Debug;
 use std::ops::Range;
@@ -60,6 +63,13 @@ impl TpRank {
                 format!("tensor_parallel_size {size} must divide it or be a multiple of it"),
             ));
         }
+        if c.vocab_size < size {
+            return Err(bad(
+                "vocab_size",
+                c.vocab_size,
+                format!("tensor_parallel_size {size} must not exceed it"),
+            ));
+        }
         if !c.intermediate_size.is_multiple_of(size) {
             return Err(bad(
                 "intermediate_size",
@@ -95,8 +105,17 @@ impl TpRank {
         self.rank * n..(self.rank + 1) * n
     }
 
+    /// This rank's tokens of the vocabulary (its rows of the embedding and of the LM head): the
+    /// first `V mod size` ranks take `⌊V/size⌋ + 1` tokens, the others `⌊V/size⌋`, in order.
+    pub fn vocab(&self, c: &Qwen2Config) -> Range<usize> {
+        let (n, extra) = (c.vocab_size / self.size, c.vocab_size % self.size);
+        let start = self.rank * n + self.rank.min(extra);
+        start..start + n + usize::from(self.rank < extra)
+    }
+
     /// The configuration of this rank's part: its heads and intermediate width (the KV cache
-    /// and the attention kernels are sized from it).
+    /// and the attention kernels are sized from it); `vocab_size` stays the whole
+    /// vocabulary's.
     pub fn local_config(&self, c: &Qwen2Config) -> Qwen2Config {
         Qwen2Config {
             num_attention_heads: self.heads(c).len(),
@@ -129,6 +148,19 @@ pub struct Parallel {
     pub rank: TpRank,
     /// The group's sum.
     pub all_reduce: Arc<dyn AllReduce>,
+}
+
+impl Parallel {
+    /// The whole logits `[rows, vocab_size]` from each rank's columns (`shard [rows, V_shard]`,
+    /// tokens `first..`; same dtype on every rank): each rank's shard placed in zeros, summed
+    /// over the group (exact: every column has one non-zero term). An all-gather through the
+    /// sum; for the rows whose draw needs them whole (filters, log-probabilities).
+    pub fn gather_vocab(&self, shard: Tensor<2>, first: usize, vocab_size: usize) -> Tensor<2> {
+        let [rows, v] = shard.dims();
+        let whole = Tensor::<2>::zeros([rows, vocab_size], (&shard.device(), shard.dtype()));
+        let whole = whole.slice_assign([0..rows, first..first + v], shard);
+        self.all_reduce.sum(whole)
+    }
 }
 
 /// Ranks as threads of one process, the collective a host sum in rank order (so every rank

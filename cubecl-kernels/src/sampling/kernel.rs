@@ -23,6 +23,12 @@
 //!   of 8-bit digits with a 256-bin histogram in shared memory (counts, or masses in 2⁻³²
 //!   fixed point, so the sums do not depend on the order of the atomic adds).
 //!
+//! Under tensor parallelism with the vocabulary split over the ranks, each rank draws over its
+//! shard (`cfg.shard`: global ids for the hash and the result), [`sample_shard_combine`] writes
+//! its best (score, token) into its slot of a zeroed exchange buffer, the ranks sum the buffers,
+//! and [`pick_exchanged`] keeps the best pair: the whole row's token (filters need the whole row
+//! and are not drawn this way).
+//!
 //! Shared memory: 256 u64 bins, `2·units` reduction slots, a few words of state.
 
 use cubecl::prelude::*;
@@ -34,6 +40,10 @@ pub struct SampleConfig {
     pub units: usize,
     /// Reduce through plane operations (else shared memory only).
     pub use_plane: bool,
+    /// The logits are one vocabulary shard of a tensor-parallel group (`shard [2]` =
+    /// (first token id, slot)): ids are global (hash and result), and every row writes its
+    /// part's best to the partials, even with one part (see [`sample_shard_combine`]).
+    pub shard: bool,
 }
 
 /// Histogram bins of one radix digit.
@@ -155,7 +165,7 @@ fn load_strided<F: Float>(logits: &Tensor<F>, at: usize, stride: usize) -> Array
     xs
 }
 
-/// One token's part of the Gumbel-max draw: token `i` with logit `x` (kept if its order key is at
+/// One token's part of the Gumbel-max draw: token id `i` with logit `x` (kept if its order key is at
 /// least `floor`) against this unit's best score and token so far; returns the new best.
 /// Tokens that cannot reach `bar` (a score some token of the row has: this unit's best or its
 /// plane's) even with the largest noise their draw allows skip the logarithms (and, under the
@@ -164,7 +174,7 @@ fn load_strided<F: Float>(logits: &Tensor<F>, at: usize, stride: usize) -> Array
 #[allow(clippy::too_many_arguments)]
 fn draw(
     x: f32,
-    i: usize,
+    i: u32,
     inv_t: f32,
     floor: u32,
     row_key: u32,
@@ -176,12 +186,12 @@ fn draw(
     let mut bi = best_i;
     let s0 = x * inv_t;
     if order_key(x) >= floor && may_win(s0, 16.7f32, bar) {
-        let u = uniform(row_key, i as u32);
+        let u = uniform(row_key, i);
         if u > 0.99f32 || may_win(s0, 4.61f32, bar) {
             let score = s0 - f32::ln(-f32::ln(u));
             if score > best {
                 b = score;
-                bi = i as u32;
+                bi = i;
             }
         }
     }
@@ -319,10 +329,15 @@ pub fn sample_rows<F: Float>(
     tokens: &mut Tensor<i32>,
     partial_v: &mut Tensor<f32>,
     partial_i: &mut Tensor<u32>,
+    shard: &Tensor<u32>,
     #[comptime] cfg: SampleConfig,
     #[define(F)] _dtype: ElemType,
 ) {
     let row = CUBE_POS_X as usize;
+    let mut offset = 0u32;
+    if comptime!(cfg.shard) {
+        offset = shard[0];
+    }
     let part = CUBE_POS_Y as usize;
     let tid = UNIT_POS_X as usize;
     let units = cfg.units;
@@ -349,7 +364,7 @@ pub fn sample_rows<F: Float>(
     // take the last token), so the row's winner is one even when no score beats −∞ (a row
     // masked whole, NaN logits): the sampler never returns an id outside `0..V`.
     let mut best = f32::new(f32::NEG_INFINITY);
-    let mut best_i = min(first, vocab - 1) as u32;
+    let mut best_i = min(first, vocab - 1) as u32 + offset;
     if temperature <= 0.0 {
         let mut i = first + tid;
         while i + comptime!((LOADS - 1) * units) < end {
@@ -359,7 +374,7 @@ pub fn sample_rows<F: Float>(
                 let x = xs[k];
                 if x > best {
                     best = x;
-                    best_i = (i + k * units) as u32;
+                    best_i = (i + k * units) as u32 + offset;
                 }
             }
             i += comptime!(LOADS * units);
@@ -368,7 +383,7 @@ pub fn sample_rows<F: Float>(
             let x = f32::cast_from(logits[base + i]);
             if x > best {
                 best = x;
-                best_i = i as u32;
+                best_i = i as u32 + offset;
             }
             i += units;
         }
@@ -446,7 +461,7 @@ pub fn sample_rows<F: Float>(
             for k in 0..LOADS {
                 let (b, bi) = draw(
                     xs[k],
-                    i + k * units,
+                    (i + k * units) as u32 + offset,
                     inv_t,
                     floor,
                     row_key,
@@ -462,7 +477,16 @@ pub fn sample_rows<F: Float>(
         }
         while i < end {
             let x = f32::cast_from(logits[base + i]);
-            let (b, bi) = draw(x, i, inv_t, floor, row_key, best, best, best_i);
+            let (b, bi) = draw(
+                x,
+                i as u32 + offset,
+                inv_t,
+                floor,
+                row_key,
+                best,
+                best,
+                best_i,
+            );
             best = b;
             best_i = bi;
             i += units;
@@ -470,7 +494,7 @@ pub fn sample_rows<F: Float>(
     }
     let (score, token) = cube_argmax(best, best_i, &mut scratch_v, &mut scratch_i, cfg.use_plane);
     if tid == 0 {
-        if CUBE_COUNT_Y > 1 {
+        if CUBE_COUNT_Y > 1 || comptime!(cfg.shard) {
             let at = row * partial_v.stride(0) + part;
             partial_v[at] = score;
             partial_i[at] = token;
@@ -478,6 +502,28 @@ pub fn sample_rows<F: Float>(
             tokens[row] = token as i32;
         }
     }
+}
+
+/// The best of `parts` (score, token) pairs of a split [`sample_rows`] row starting at `base`
+/// (the lowest token among equal scores).
+#[cube]
+fn best_part(
+    partial_v: &Tensor<f32>,
+    partial_i: &Tensor<u32>,
+    base: usize,
+    parts: usize,
+) -> (f32, u32) {
+    let mut best_v = partial_v[base];
+    let mut best_i = partial_i[base];
+    for p in 1..parts {
+        let v = partial_v[base + p];
+        let i = partial_i[base + p];
+        if beats(v, i, best_v, best_i) {
+            best_v = v;
+            best_i = i;
+        }
+    }
+    (best_v, best_i)
 }
 
 /// The token of each row of a split [`sample_rows`]: the best of its parts' scores (the lowest
@@ -498,12 +544,52 @@ pub fn sample_combine(
             1usize,
             partial_v.shape(1),
         );
-        let base = row * partial_v.stride(0);
-        let mut best_v = partial_v[base];
-        let mut best_i = partial_i[base];
-        for p in 1..parts {
-            let v = partial_v[base + p];
-            let i = partial_i[base + p];
+        let (_, best_i) = best_part(partial_v, partial_i, row * partial_v.stride(0), parts);
+        tokens[row] = best_i as i32;
+    }
+}
+
+/// A vocabulary shard's best (score, global token) of each row of a shard-mode [`sample_rows`]
+/// (no filters: every part counts), one unit per row, written into the row's slot of
+/// `exchange [B, 2·S]` f32 (`S` slots: scores in columns `0..S`, tokens as f32 — exact below
+/// 2²⁴ — in `S..2S`; slot `shard[1]`). The other slots are left as they are (zero), so that a
+/// sum over the group's ranks is every shard's pair.
+#[cube(launch_unchecked)]
+pub fn sample_shard_combine(
+    partial_v: &Tensor<f32>,
+    partial_i: &Tensor<u32>,
+    shard: &Tensor<u32>,
+    exchange: &mut Tensor<f32>,
+) {
+    let row = (CUBE_POS_X * CUBE_DIM_X + UNIT_POS_X) as usize;
+    if row < partial_v.shape(0) {
+        let (best_v, best_i) = best_part(
+            partial_v,
+            partial_i,
+            row * partial_v.stride(0),
+            partial_v.shape(1),
+        );
+        let slots = exchange.shape(1) / 2;
+        let at = row * exchange.stride(0) + shard[1] as usize;
+        exchange[at] = best_v;
+        exchange[at + slots] = f32::cast_from(best_i);
+    }
+}
+
+/// The token of each row of a summed `exchange [B, 2·S]` (see [`sample_shard_combine`]): the
+/// best of its `S` shards' pairs, the lowest token among equal scores (shards are ordered by
+/// token, so this is the whole row's draw), into `tokens [B]`.
+#[cube(launch_unchecked)]
+pub fn pick_exchanged(exchange: &Tensor<f32>, tokens: &mut Tensor<i32>) {
+    let row = (CUBE_POS_X * CUBE_DIM_X + UNIT_POS_X) as usize;
+    if row < exchange.shape(0) {
+        let slots = exchange.shape(1) / 2;
+        let base = row * exchange.stride(0);
+        let mut best_v = exchange[base];
+        let mut best_i = u32::cast_from(exchange[base + slots]);
+        for s in 1..slots {
+            let v = exchange[base + s];
+            let i = u32::cast_from(exchange[base + slots + s]);
             if beats(v, i, best_v, best_i) {
                 best_v = v;
                 best_i = i;

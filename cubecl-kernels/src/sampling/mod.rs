@@ -9,6 +9,11 @@
 //! The filters apply in vLLM's order, each on what the previous kept: min-p, top-k, then top-p
 //! over the renormalised remainder; ties at a threshold are all kept.
 //!
+//! Under tensor parallelism with the vocabulary split over the ranks, [`sample_shard`] draws
+//! each row's best over one shard and [`pick_exchanged_into`] the whole row's token from every
+//! shard's (score, token) pair, summed over the group: the same token as [`sample`] over the
+//! whole row (rows with filters need the whole row).
+//!
 //! Structured outputs mask their rows first ([`mask_logits`]: a bitmask of allowed tokens per
 //! row, disallowed logits set to −∞ in place), so no filter or draw can pick a banned token.
 
@@ -66,6 +71,16 @@ impl SamplingRow {
         }
     }
 
+    /// Whether the row's draw needs its whole row of a `vocab_size`-token vocabulary at once:
+    /// a filter (min-p, top-p, or a top-k below the vocabulary) on a sampled row. Other rows
+    /// can be drawn shard by shard ([`sample_shard`]).
+    pub fn needs_whole_row(&self, vocab_size: usize) -> bool {
+        self.effective_temperature() > 0.0
+            && (self.top_p < 1.0
+                || self.min_p > 0.0
+                || (self.top_k > 0 && (self.top_k as usize) < vocab_size))
+    }
+
     fn check(&self) -> Result<(), KernelError> {
         let valid = self.temperature.is_finite()
             && self.top_p > 0.0
@@ -104,6 +119,137 @@ pub fn sample_into(
     }
     *out = sample_to(logits, rows, Some(out.clone()))?;
     Ok(())
+}
+
+/// One tensor-parallel rank's share of a vocabulary split over `slots` ranks in token order:
+/// its logits' columns are tokens `first..first + V_shard`, and its draws go in slot `slot`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct VocabShard {
+    /// The id of the shard's first token.
+    pub first: usize,
+    /// This rank's slot in the exchange (its rank).
+    pub slot: usize,
+    /// Slots (ranks) in the group.
+    pub slots: usize,
+}
+
+/// A vocabulary shard's part of [`sample`] under tensor parallelism: each row of
+/// `logits [B, V_shard]` (f32, f16 or bf16; tokens `shard.first..`) draws its best (score,
+/// global token) over the shard, with the noise of the whole row's draw (hashed by global id),
+/// and writes it into slot `shard.slot` of a zeroed exchange `[B, 2·S]` f32 (scores, then
+/// tokens as f32), which it returns. Summed over the group (an all-reduce), the exchange holds
+/// every shard's pair, and [`pick_exchanged_into`] draws the whole row's token: `S` pairs per
+/// row cross the link instead of `[B, V]` logits. `vocab_size` is the whole vocabulary; a row
+/// that [needs its whole row](SamplingRow::needs_whole_row) is refused.
+pub fn sample_shard(
+    logits: Tensor<2>,
+    rows: &[SamplingRow],
+    shard: VocabShard,
+    vocab_size: usize,
+) -> Result<Tensor<2>, KernelError> {
+    let [b, v] = logits.dims();
+    let VocabShard { first, slot, slots } = shard;
+    if rows.len() != b || v == 0 || slot >= slots || first + v > vocab_size || vocab_size >= 1 << 24
+    {
+        return Err(KernelError::invalid(format!(
+            "sample_shard: {b} rows of {v} logits (tokens {first}.. of {vocab_size}, < 2^24), \
+             {} rows of parameters, slot {slot} of {slots}",
+            rows.len()
+        )));
+    }
+    rows.iter().try_for_each(SamplingRow::check)?;
+    if let Some(row) = rows.iter().find(|r| r.needs_whole_row(vocab_size)) {
+        return Err(KernelError::invalid(format!(
+            "sample_shard: row {row:?} filters its whole row: gather the logits"
+        )));
+    }
+    let device = logits.device();
+    if !crate::runs_kernels(&logits) {
+        let host = logits
+            .into_data()
+            .try_into_vec_as::<f32>()
+            .map_err(|e| KernelError::invalid(format!("sample_shard: {e:?}")))?;
+        let mut exchange = vec![0.0f32; b * 2 * slots];
+        for (r, row) in rows.iter().enumerate() {
+            let (score, token) = reference::score_row(&host[r * v..(r + 1) * v], row, first as u32);
+            exchange[r * 2 * slots + slot] = score;
+            exchange[r * 2 * slots + slots + slot] = token as f32;
+        }
+        return Ok(Tensor::from_data(
+            TensorData::new(exchange, [b, 2 * slots]),
+            (&device, DType::F32),
+        ));
+    }
+    let (params_f, params_u) = row_params(rows, &device);
+    let shard = Tensor::<1, Int>::from_data(
+        TensorData::new(vec![first as u32, slot as u32], [2]),
+        (&device, DType::U32),
+    );
+    let exchange = Tensor::<2>::zeros([b, 2 * slots], (&device, DType::F32));
+    Ok(Tensor::from_dispatch(Dispatch::sample_shard(
+        logits_dtype(logits).into_dispatch(),
+        params_f.into_dispatch(),
+        params_u.into_dispatch(),
+        shard.into_dispatch(),
+        exchange.into_dispatch(),
+    )))
+}
+
+/// Each row's token of a group-summed exchange `[B, 2·S]` f32 (see [`sample_shard`]: the best
+/// score, the lowest token among equal ones, so the whole row's draw) into `out[..B]`
+/// (`out [n ≥ B]` i32): in place on CubeCL devices, elsewhere `out` is replaced by a tensor
+/// holding them there.
+pub fn pick_exchanged_into(
+    exchange: Tensor<2>,
+    out: &mut Tensor<1, Int>,
+) -> Result<(), KernelError> {
+    let [b, w] = exchange.dims();
+    if w < 2 || w % 2 != 0 || out.dtype() != DType::I32 || out.dims()[0] < b {
+        return Err(KernelError::invalid(format!(
+            "pick_exchanged_into: a [{b}, {w}] exchange (2·S columns) into a {:?} {:?} buffer",
+            out.dims(),
+            out.dtype()
+        )));
+    }
+    if b == 0 {
+        return Ok(());
+    }
+    if !crate::runs_kernels(&exchange) {
+        let device = exchange.device();
+        let host = exchange
+            .into_data()
+            .try_into_vec_as::<f32>()
+            .map_err(|e| KernelError::invalid(format!("pick_exchanged_into: {e:?}")))?;
+        let ids: Vec<i32> = reference::pick_exchanged(&host, w / 2)
+            .into_iter()
+            .map(|t| t as i32)
+            .collect();
+        let ids = Tensor::from_data(TensorData::new(ids, [b]), (&device, DType::I32));
+        *out = out.clone().slice_assign(0..b, ids);
+        return Ok(());
+    }
+    let exchange = exchange.cast(FloatDType::F32);
+    *out = Tensor::from_dispatch(Dispatch::pick_exchanged_into(
+        exchange.into_dispatch(),
+        out.extract().into_dispatch(),
+    ));
+    Ok(())
+}
+
+/// The kernels' parameter rows: `params_f [B, 4]` f32 = (temperature, top_p, min_p, 0),
+/// `params_u [B, 4]` u32 = (top_k, seed_lo, seed_hi, counter).
+fn row_params(rows: &[SamplingRow], device: &burn::tensor::Device) -> (Tensor<2>, Tensor<2, Int>) {
+    let b = rows.len();
+    let mut pf = Vec::with_capacity(4 * b);
+    let mut pu = Vec::with_capacity(4 * b);
+    for r in rows {
+        pf.extend([r.effective_temperature(), r.top_p, r.min_p, 0.0]);
+        pu.extend([r.top_k, r.seed as u32, (r.seed >> 32) as u32, r.counter]);
+    }
+    (
+        Tensor::<2>::from_data(TensorData::new(pf, [b, 4]), (device, DType::F32)),
+        Tensor::<2, Int>::from_data(TensorData::new(pu, [b, 4]), (device, DType::U32)),
+    )
 }
 
 /// u32 words of one token bitmask row over a `vocab_size`-token vocabulary: `⌈V/32⌉` (bit
@@ -204,14 +350,7 @@ fn sample_to(
             None => ids,
         });
     }
-    let mut pf = Vec::with_capacity(4 * b);
-    let mut pu = Vec::with_capacity(4 * b);
-    for r in rows {
-        pf.extend([r.effective_temperature(), r.top_p, r.min_p, 0.0]);
-        pu.extend([r.top_k, r.seed as u32, (r.seed >> 32) as u32, r.counter]);
-    }
-    let params_f = Tensor::<2>::from_data(TensorData::new(pf, [b, 4]), (&device, DType::F32));
-    let params_u = Tensor::<2, Int>::from_data(TensorData::new(pu, [b, 4]), (&device, DType::U32));
+    let (params_f, params_u) = row_params(rows, &device);
     let (logits, params_f, params_u) = (
         logits_dtype(logits).into_dispatch(),
         params_f.into_dispatch(),

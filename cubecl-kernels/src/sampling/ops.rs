@@ -38,6 +38,26 @@ pub trait SamplingOps: Backend {
         out: IntTensor<Self>,
     ) -> IntTensor<Self>;
 
+    /// A vocabulary shard's part of [`SamplingOps::sample`] (rows without filters):
+    /// `logits [B, V_shard]` are tokens `shard[0]..` (`shard [2]` u32 = (first token id,
+    /// slot)); each row's best (score, global token) goes into slot `shard[1]` of
+    /// `exchange [B, 2·S]` f32 (scores in columns `0..S`, tokens in `S..2S`; the caller zeroes
+    /// it), in place when the buffer is not shared; returns `exchange`.
+    #[fusion(meta = sample_shard_meta)]
+    fn sample_shard(
+        logits: FloatTensor<Self>,
+        params_f: FloatTensor<Self>,
+        params_u: IntTensor<Self>,
+        shard: IntTensor<Self>,
+        exchange: FloatTensor<Self>,
+    ) -> FloatTensor<Self>;
+
+    /// Each row's token of a group-summed `exchange [B, 2·S]` (see
+    /// [`SamplingOps::sample_shard`]) into `out[..B]` (`out [n ≥ B]` i32, contiguous) in
+    /// place; returns `out`.
+    #[fusion(meta = pick_exchanged_meta)]
+    fn pick_exchanged_into(exchange: FloatTensor<Self>, out: IntTensor<Self>) -> IntTensor<Self>;
+
     /// Sets the tokens of `logits [B, V]` (f32) rows `rows [M]` (u32) whose bit is clear in
     /// `allowed [M, ⌈V/32⌉]` (u32) to −∞, in place when the buffer is not shared; returns the
     /// logits (see [`crate::sampling::mask_logits`]).
@@ -62,6 +82,20 @@ fn sample_into_meta(
     out.clone()
 }
 
+fn sample_shard_meta(
+    _logits: &TensorSpec,
+    _params_f: &TensorSpec,
+    _params_u: &TensorSpec,
+    _shard: &TensorSpec,
+    exchange: &TensorSpec,
+) -> TensorSpec {
+    exchange.clone()
+}
+
+fn pick_exchanged_meta(_exchange: &TensorSpec, out: &TensorSpec) -> TensorSpec {
+    out.clone()
+}
+
 fn mask_logits_meta(logits: &TensorSpec, _allowed: &TensorSpec, _rows: &TensorSpec) -> TensorSpec {
     logits.clone()
 }
@@ -82,6 +116,20 @@ impl SamplingOps for CubeBackend {
         out: IntTensor<Self>,
     ) -> IntTensor<Self> {
         launch::sample(logits, params_f, params_u, Some(out))
+    }
+
+    fn sample_shard(
+        logits: FloatTensor<Self>,
+        params_f: FloatTensor<Self>,
+        params_u: IntTensor<Self>,
+        shard: IntTensor<Self>,
+        exchange: FloatTensor<Self>,
+    ) -> FloatTensor<Self> {
+        launch::sample_shard(logits, params_f, params_u, shard, exchange)
+    }
+
+    fn pick_exchanged_into(exchange: FloatTensor<Self>, out: IntTensor<Self>) -> IntTensor<Self> {
+        launch::pick_exchanged_into(exchange, out)
     }
 
     fn mask_logits(

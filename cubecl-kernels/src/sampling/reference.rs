@@ -86,28 +86,55 @@ pub fn sample(logits: &[f32], vocab: usize, rows: &[SamplingRow]) -> Vec<u32> {
 /// One token from one row: the argmax (greedy) or the Gumbel-max draw over the kept tokens;
 /// token 0 when no token scores above −∞ (every token masked, or NaN logits), as the kernel.
 pub fn sample_row(logits: &[f32], row: &SamplingRow) -> u32 {
-    let mut best = (f32::NEG_INFINITY, 0);
+    score_row(logits, row, 0).1
+}
+
+/// The winning score and token of one row whose `logits` are tokens `first..` of the
+/// vocabulary (ids hashed and returned as global ids): the logit (greedy) or the Gumbel-max
+/// score. Filters see only these logits: a shard of a row draws its own best only without them.
+/// `(−∞, first)` when no token scores above −∞.
+pub fn score_row(logits: &[f32], row: &SamplingRow, first: u32) -> (f32, u32) {
+    let mut best = (f32::NEG_INFINITY, first);
     let t = row.effective_temperature();
     if t <= 0.0 {
         for (i, &x) in logits.iter().enumerate() {
             if x > best.0 {
-                best = (x, i as u32);
+                best = (x, first + i as u32);
             }
         }
-        return best.1;
+        return best;
     }
     let floor = threshold(logits, row);
     let inv_t = 1.0 / t;
     let key = row_key(row);
     for (i, &x) in logits.iter().enumerate() {
         if order_key(x) >= floor {
-            let score = x * inv_t - (-uniform(key, i as u32).ln()).ln();
+            let id = first + i as u32;
+            let score = x * inv_t - (-uniform(key, id).ln()).ln();
             if score > best.0 {
-                best = (score, i as u32);
+                best = (score, id);
             }
         }
     }
-    best.1
+    best
+}
+
+/// Each row's token of a group-summed exchange (rows of `2·slots` values: scores, then tokens
+/// as f32): the best score, the lowest token among equal ones.
+pub fn pick_exchanged(exchange: &[f32], slots: usize) -> Vec<u32> {
+    exchange
+        .chunks(2 * slots)
+        .map(|row| {
+            let mut best = (row[0], row[slots] as u32);
+            for s in 1..slots {
+                let (v, i) = (row[s], row[slots + s] as u32);
+                if v > best.0 || (v == best.0 && i < best.1) {
+                    best = (v, i);
+                }
+            }
+            best.1
+        })
+        .collect()
 }
 
 /// Sets every token of row `rows[r]` of `logits` (rows of `vocab` values) whose bit is clear in

@@ -219,6 +219,68 @@ fn split_rows_draw_the_tokens_of_whole_rows() {
     }
 }
 
+/// A vocabulary split over 2, 3 or 4 ranks (shards of unequal sizes): each shard's draw
+/// (`sample_shard`, global ids), the exchanges summed as the ranks' all-reduce sums them, and
+/// `pick_exchanged_into` give every unfiltered row the token `sample` draws over its whole row
+/// (greedy, plain temperature, ties, scores far wider than the noise), on the kernel device and
+/// on the reference one; a filtered row is refused.
+#[test]
+fn vocabulary_shards_exchange_the_tokens_of_whole_rows() {
+    let mut rng = rng("vocabulary_shards_exchange_the_tokens_of_whole_rows");
+    for device in [kernel_device(), reference_device()] {
+        for (vocab, dtype) in [(1001, DType::F32), (40_000, DType::BF16)] {
+            let (logits, rows) = cases(&mut rng, vocab);
+            let keep: Vec<usize> = (0..rows.len())
+                .filter(|&r| !rows[r].needs_whole_row(vocab))
+                .collect();
+            assert!(keep.len() >= 5, "greedy, plain and wide-score rows");
+            let rows: Vec<SamplingRow> = keep.iter().map(|&r| rows[r]).collect();
+            let logits: Vec<f32> = keep
+                .iter()
+                .flat_map(|&r| logits[r * vocab..(r + 1) * vocab].to_vec())
+                .collect();
+            let b = rows.len();
+            let (whole, _) = upload(&logits, [b, vocab], dtype, &device);
+            let want = draw(whole.clone(), &rows);
+            for slots in [2, 3, 4] {
+                let mut sum = Tensor::<2>::zeros([b, 2 * slots], (&device, DType::F32));
+                let mut first = 0;
+                for slot in 0..slots {
+                    let len = vocab / slots + usize::from(slot < vocab % slots);
+                    let part = whole.clone().slice([0..b, first..first + len]);
+                    let shard = cubecl_kernels::VocabShard { first, slot, slots };
+                    let exchange = cubecl_kernels::sample_shard(part, &rows, shard, vocab).unwrap();
+                    sum = sum + exchange;
+                    first += len;
+                }
+                let mut out = Tensor::<1, Int>::from_data(
+                    TensorData::new(vec![-1i32; b + 2], [b + 2]),
+                    (&device, DType::I32),
+                );
+                cubecl_kernels::pick_exchanged_into(sum, &mut out).unwrap();
+                let got: Vec<i64> = out.into_data().try_into_vec_as::<i64>().unwrap();
+                assert_eq!(&got[..b], &want[..], "V={vocab} {dtype:?}, {slots} shards");
+                assert_eq!(&got[b..], &[-1, -1], "slots past the rows are untouched");
+            }
+        }
+        let filtered = SamplingRow {
+            top_k: 5,
+            ..SamplingRow::greedy()
+        };
+        let filtered = SamplingRow {
+            temperature: 1.0,
+            ..filtered
+        };
+        let x = Tensor::<2>::zeros([1, 10], (&device, DType::F32));
+        let shard = cubecl_kernels::VocabShard {
+            first: 0,
+            slot: 0,
+            slots: 2,
+        };
+        assert!(cubecl_kernels::sample_shard(x, &[filtered], shard, 20).is_err());
+    }
+}
+
 /// Draws follow the filtered distribution: the frequency of each kept token over many seeds
 /// is close to its renormalised probability.
 #[test]

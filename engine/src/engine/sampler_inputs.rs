@@ -9,7 +9,7 @@ use cubecl_kernels::UploadBuffer;
 use super::{Forward, InFlight, LLMEngine, ModelRun};
 use crate::error::Result;
 use crate::output::RequestOutput;
-use crate::sampler::{self, SamplePlan, SamplerRow, TokenMasks};
+use crate::sampler::{self, LogitsShard, SamplePlan, SamplerRow, TokenMasks};
 use crate::sampling_params::SamplingParams;
 use crate::sequence::{FinishReason, RequestId, Sequence};
 
@@ -123,13 +123,19 @@ impl LLMEngine {
                     })
                     .collect();
                 let counters: Vec<u32> = rows.iter().map(|&(_, pos)| pos as u32).collect();
-                let vocab = logits.dims()[1];
+                let vocab = self.model_config.vocab_size;
                 let plan = SamplePlan::new(&sampler_rows, masks, &counters, vocab);
                 if let Some(workers) = &mut self.workers {
                     workers.sample(&plan)?;
                 }
-                let (draws, flush) =
-                    sampler::sample_planned(logits, &sampler_rows, plan, self.runner.draws())?;
+                let shard = LogitsShard::of(self.runner.model());
+                let (draws, flush) = sampler::sample_planned(
+                    logits,
+                    &sampler_rows,
+                    plan,
+                    self.runner.draws(),
+                    shard.as_ref(),
+                )?;
                 // Flushing the sampling to the device waits for it while the previous step's
                 // copy of the draws buffer (which this sampling rewrites) is pending.
                 self.waited += flush;

@@ -11,10 +11,13 @@
 //! the workers the step's sequences ([`PlannedSeq`]: new token ids, positions, block tables,
 //! which rows sample and which take the previous step's draws) before it enqueues its own
 //! forward, and the sampling plan ([`SamplePlan`]: penalties, token masks, each row's seeded
-//! draw) once it has made it. Every rank computes the same logits (the row-split products are
-//! summed over the ranks, and the LM head is whole on every rank) and draws with the same
-//! plan, so every rank's standing draws buffer holds the same tokens, and the next step's
-//! device-fed tokens agree without any exchange; only rank 0 reads the draws back.
+//! draw) once it has made it. Each rank computes its columns of the logits (the LM head is
+//! split by vocabulary rows) and draws each row over them with the same plan; the ranks sum
+//! their (score, token) pairs (`cubecl_kernels::sample_shard`: `2 · size` floats a row instead
+//! of `[rows, V]` logits) and each picks the best, so every rank's standing draws buffer holds
+//! the same tokens and the next step's device-fed tokens agree; rows that need whole rows
+//! (top-k/top-p/min-p, log-probabilities) gather the logits instead. Only rank 0 reads the
+//! draws back.
 //!
 //! Two transports: processes on CUDA ([`processes`]: the NCCL id and the options in the first
 //! message, then MessagePack frames on the worker's stdin; a watchdog per worker ends the
@@ -39,7 +42,7 @@ use serde::{Deserialize, Serialize};
 
 use crate::config::EngineConfig;
 use crate::error::{EngineError, Result};
-use crate::sampler::SamplePlan;
+use crate::sampler::{LogitsShard, SamplePlan};
 use crate::start_up::{self, StartUp};
 use crate::step::{PlannedSeq, StepSeq};
 
@@ -185,6 +188,7 @@ pub(crate) fn serve_steps(
     mut next: impl FnMut() -> Result<Option<ToWorker>>,
 ) -> Result<()> {
     let StartUp { mut runner, .. } = start_up::start(model, dir, device, config)?;
+    let shard = LogitsShard::of(runner.model());
     let mut logits: Option<Tensor<2>> = None;
     while let Some(message) = next()? {
         match message {
@@ -196,7 +200,7 @@ pub(crate) fn serve_steps(
                 let logits = logits
                     .take()
                     .ok_or_else(|| EngineError::Device("a sampling plan without logits".into()))?;
-                (*plan).enqueue(logits, runner.draws())?;
+                (*plan).enqueue(logits, runner.draws(), shard.as_ref(), false)?;
             }
             ToWorker::Stop => break,
         }

@@ -1,9 +1,13 @@
 //! Tensor parallelism through the engine on the CPU: TP = 2 and 4, ranks as threads over the
 //! host collective. Greedy continuations and log-probability gaps equal transformers' on every
 //! fixture (KV heads split at TP 2, replicated at TP 4); seeded draws, preemption and prefix
-//! caching give what one rank gives; a size the heads do not divide is refused naming the
-//! field.
+//! caching give what one rank gives, whether a step's rows draw over vocabulary shards and
+//! exchange their best (plain and greedy rows, with penalties, biases and token masks) or
+//! gather whole rows (filters, log-probabilities); a size the heads do not divide is refused
+//! naming the field.
 
+use burn::tensor::TensorData;
+use engine::sampler::TokenMasks;
 use engine::{EngineConfig, EngineError, LLMEngine, SamplingParams};
 
 use super::common::*;
@@ -59,6 +63,137 @@ fn sampling_preemption_and_prefix_hits_match_one_rank() {
             assert_eq!(a.tokens, b.tokens, "TP {size} request {i}");
         }
         assert_eq!(engine.kv_usage(), 0.0);
+    }
+}
+
+/// Rows drawn shard by shard (plain temperature with penalties and a logit bias, allowed
+/// tokens, bad words, greedy) beside rows that need whole rows (filters, log-probabilities),
+/// on the real Qwen2 vocabulary (151,936 tokens: shards of 75,968 and 37,984): the same tokens
+/// and log-probabilities as one rank.
+#[test]
+fn shard_draws_and_gathered_rows_match_one_rank() {
+    let name = "qwen2-tiny-tied";
+    let prompts = Golden::load(name).prompts();
+    let plain = |seed| SamplingParams {
+        temperature: 0.9,
+        seed: Some(seed),
+        ignore_eos: true,
+        max_tokens: 12,
+        ..SamplingParams::default()
+    };
+    let vocab = 151_936u32;
+    let requests: Vec<(Vec<u32>, SamplingParams)> = vec![
+        (
+            prompts[0].clone(),
+            SamplingParams {
+                repetition_penalty: 1.3,
+                presence_penalty: 0.5,
+                logit_bias: vec![(vocab - 3, 4.0), (100_000, 3.0)],
+                ..plain(1)
+            },
+        ),
+        (
+            prompts[1].clone(),
+            SamplingParams {
+                // Tokens on both sides of every shard boundary, and the last one.
+                allowed_token_ids: Some(vec![5, 37_983, 37_984, 75_967, 75_968, vocab - 1]),
+                ..plain(2)
+            },
+        ),
+        (
+            prompts[2].clone(),
+            SamplingParams {
+                bad_words: vec![vec![11], vec![13]],
+                ..greedy(12)
+            },
+        ),
+        (
+            prompts[3].clone(),
+            SamplingParams {
+                logprobs: Some(3),
+                ..plain(4)
+            },
+        ),
+        (prompts[4].clone(), seeded(5, 12)),
+        (prompts[5].clone(), plain(6)),
+    ];
+    // Alone, the shard-drawn rows exchange every step; with the others, every step gathers.
+    let batches = [vec![0, 1, 2, 5], vec![3, 4, 0, 1]];
+    let config = small_config();
+    let mut one = engine_on(name, test_device(), config.clone());
+    let mut engines: Vec<_> = [2, 4]
+        .map(|size| {
+            (
+                size,
+                engine_on(name, test_device(), tp(size, config.clone())),
+            )
+        })
+        .into();
+    for batch in batches {
+        let requests: Vec<_> = batch.iter().map(|&i| requests[i].clone()).collect();
+        let reference = run_all(&mut one, requests.clone());
+        for (size, engine) in &mut engines {
+            let out = run_all(engine, requests.clone());
+            for (k, (a, b)) in out.iter().zip(&reference).enumerate() {
+                let i = batch[k];
+                assert_eq!(a.tokens, b.tokens, "TP {size} request {i}");
+                let lp = |f: &Finished| -> Vec<_> {
+                    f.outputs
+                        .iter()
+                        .flat_map(|o| o.new_logprobs.clone())
+                        .collect()
+                };
+                let (got, want) = (lp(a), lp(b));
+                assert_eq!(got.len(), want.len(), "TP {size} request {i}: log-probs");
+                assert_eq!(got.is_empty(), i != 3, "request {i}: log-probs");
+                for (g, w) in got.iter().zip(&want) {
+                    assert_eq!(g.token_id, w.token_id);
+                    assert!((g.logprob - w.logprob).abs() < 1e-4, "{g:?} vs {w:?}");
+                    let ids =
+                        |t: &engine::TokenLogprobs| t.top.iter().map(|p| p.0).collect::<Vec<_>>();
+                    assert_eq!(ids(g), ids(w));
+                }
+                if i == 1 {
+                    let allowed = [5, 37_983, 37_984, 75_967, 75_968, vocab - 1];
+                    assert!(
+                        a.tokens.iter().all(|t| allowed.contains(t)),
+                        "{:?}",
+                        a.tokens
+                    );
+                }
+            }
+        }
+    }
+}
+
+/// A shard's bits of structured outputs' masks are the whole masks' bits of its tokens, at
+/// boundaries inside a word and at the end of the vocabulary.
+#[test]
+fn token_masks_cut_at_any_token() {
+    let vocab = 1000usize;
+    let words = vocab.div_ceil(32);
+    let bits: Vec<u32> = (0..2 * words as u32)
+        .map(|i| i.wrapping_mul(0x9e37_79b9) ^ (i << 7))
+        .collect();
+    let masks = TokenMasks {
+        allowed: TensorData::new(bits.clone(), [2, words]),
+        rows: vec![0, 3],
+    };
+    for tokens in [0..333, 333..666, 666..1000, 32..64, 31..1000, 999..1000] {
+        let part = masks.shard(&tokens).unwrap();
+        let got = part.as_slice::<u32>().unwrap();
+        let w = tokens.len().div_ceil(32);
+        assert_eq!(part.shape().as_slice(), [2, w]);
+        for r in 0..2 {
+            for (k, t) in tokens.clone().enumerate() {
+                let want = bits[r * words + t / 32] >> (t % 32) & 1;
+                assert_eq!(
+                    got[r * w + k / 32] >> (k % 32) & 1,
+                    want,
+                    "{tokens:?} row {r} token {t}"
+                );
+            }
+        }
     }
 }
 

@@ -66,6 +66,13 @@ fn sharded_ranks_match_the_whole_model() {
                         s.spawn(move || {
                             let model = rank_model(name, rank, size, all_reduce);
                             let c = &model.config;
+                            // The vocabulary split in token order, every rank a part of it.
+                            let v = c.vocab_size;
+                            let (n, extra) = (v / size, v % size);
+                            let first = rank * n + rank.min(extra);
+                            assert_eq!(model.vocab.start, first);
+                            assert_eq!(model.vocab.len(), n + usize::from(rank < extra));
+                            assert_eq!(model.embed_tokens.val().dims()[0], model.vocab.len());
                             let heads = c.num_attention_heads;
                             (
                                 run(&model),
