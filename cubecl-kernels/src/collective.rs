@@ -187,6 +187,8 @@ pub fn all_reduce_sum(x: Tensor<2>, comm: &Arc<NcclComm>) -> Result<Tensor<2>, K
 }
 
 /// `x [M, N]` reduced over `comm`'s ranks by `reduction`, in place (see [`all_reduce_sum`]).
+/// The collective is flushed to the device's stream before this returns (without waiting for
+/// the device), so that every rank issues its collectives in call order.
 pub fn all_reduce(
     x: Tensor<2>,
     comm: &Arc<NcclComm>,
@@ -213,8 +215,18 @@ pub fn all_reduce(
             "all_reduce_sum needs the vendored cubecl-cuda (the stream of CubeCL's work)",
         ));
     }
-    let out = Dispatch::all_reduce(x.into_dispatch(), CommSlot(comm.clone(), reduction));
-    Ok(Tensor::from_dispatch(out))
+    let device = x.device();
+    let out = Tensor::from_dispatch(Dispatch::all_reduce(
+        x.into_dispatch(),
+        CommSlot(comm.clone(), reduction),
+    ));
+    // A collective is enqueued when it is called, never left in the fusion queue: every rank
+    // must issue its collectives in the same order, and a rank that has nothing to read next
+    // never flushes its queue (a worker's sampling exchange waited there for a next step that
+    // rank 0 could not send before the exchange completed: both ranks hung).
+    Dispatch::flush(device.as_dispatch())
+        .map_err(|e| KernelError::invalid(format!("all_reduce: flush: {e:?}")))?;
+    Ok(out)
 }
 
 /// The reduction over ranks as a Burn backend extension (an opaque op of the fusion stream).
