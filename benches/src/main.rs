@@ -110,6 +110,10 @@ struct Cli {
     /// one process per GPU, --device's GPU and the ones after it.
     #[arg(long, default_value_t = 1)]
     tensor_parallel_size: usize,
+    /// Engine suites: under tensor parallelism, split the embedding and LM head by vocabulary
+    /// rows.
+    #[arg(long)]
+    vocab_parallel: bool,
     /// Engine suites: sequences of the nano workload.
     #[arg(long, default_value_t = 256)]
     num_seqs: usize,
@@ -366,6 +370,7 @@ fn main() -> Result<()> {
                     .unwrap_or(burn_nanovllm::EngineConfig::default().admission_max_wait_steps),
                 gpu_timeline: cli.gpu_timeline,
                 tensor_parallel_size: cli.tensor_parallel_size,
+                vocab_parallel: cli.vocab_parallel,
                 cuda_graph_sizes: (!cli.graph_sizes.is_empty()).then(|| cli.graph_sizes.clone()),
                 num_kv_blocks: cli.num_kv_blocks,
                 record_steps: true,

@@ -95,6 +95,10 @@ struct EngineArgs {
     /// GPU, --device's GPU and the ones after it; on CPU devices, threads.
     #[arg(long, default_value_t = 1)]
     tensor_parallel_size: usize,
+    /// Under tensor parallelism, split the embedding and LM head by vocabulary rows (less
+    /// memory per GPU; see docs/BENCHMARKS.md for its speed).
+    #[arg(long)]
+    vocab_parallel: bool,
 }
 
 /// Sampling options (vLLM's names); unset ones come from the model's generation_config.json.
@@ -319,6 +323,7 @@ fn engine_config(model: &ModelArgs, e: &EngineArgs) -> EngineConfig {
         admission_min_tokens: e.admission_tokens,
         enable_prefix_caching: !e.no_prefix_caching,
         tensor_parallel_size: e.tensor_parallel_size,
+        vocab_parallel: e.vocab_parallel,
         ..EngineConfig::default()
     }
 }

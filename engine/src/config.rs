@@ -73,6 +73,11 @@ pub struct EngineConfig {
     /// on `device`). Each rank holds its share of every layer and of the KV cache; rank 0 (this
     /// engine) schedules and samples for all ([`crate::tensor_parallel`]).
     pub tensor_parallel_size: usize,
+    /// Under tensor parallelism, split the embedding and the LM head by vocabulary rows
+    /// (vLLM's layout: each rank holds `1/size` of them, and the ranks exchange each row's best
+    /// draw of their shard instead of each computing the whole logits). Off: both are whole on
+    /// every rank, which measured faster at bench.py's batches on 2 × H200 (`docs/BENCHMARKS.md`).
+    pub vocab_parallel: bool,
 }
 
 impl Default for EngineConfig {
@@ -93,6 +98,7 @@ impl Default for EngineConfig {
             admission_min_tokens: None,
             admission_max_wait_steps: 16,
             tensor_parallel_size: 1,
+            vocab_parallel: false,
             enable_prefix_caching: true,
             seed: 0,
             record_steps: false,

@@ -233,9 +233,9 @@ pub struct LogitsShard {
 }
 
 impl LogitsShard {
-    /// The shard `model`'s LM head computes (`None` for a whole model).
+    /// The shard `model`'s LM head computes (`None` when it computes the whole vocabulary).
     pub fn of(model: &Qwen2Model) -> Option<Self> {
-        model.parallel().map(|parallel| Self {
+        model.vocab_split().map(|parallel| Self {
             parallel: parallel.clone(),
             tokens: model.vocab.clone(),
         })

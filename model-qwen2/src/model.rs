@@ -50,7 +50,7 @@ pub struct Qwen2Model {
     #[module(skip)]
     pub config: Qwen2Config,
     /// The tokens of this rank's embedding and LM head rows (the whole vocabulary on one
-    /// device).
+    /// device, and under tensor parallelism unless [`Parallel::vocab_parallel`]).
     #[module(skip)]
     pub vocab: Range<usize>,
 }
@@ -115,7 +115,10 @@ impl Qwen2Model {
         let kv_rows = kv_heads.start * d..kv_heads.end * d;
         let inner = tp.intermediate(c);
         let local = tp.local_config(c);
-        let vocab = tp.vocab(c);
+        let vocab = match &parallel {
+            Some(p) if p.vocab_parallel => tp.vocab(c),
+            _ => 0..c.vocab_size,
+        };
         let embed = ckpt.tensor_part(
             "model.embed_tokens.weight",
             [c.vocab_size, h],
@@ -254,7 +257,11 @@ impl Qwen2Model {
             Some(p) => TpRank::new(p.rank.rank, p.rank.size, &config)?,
             None => TpRank::SINGLE,
         };
-        let (local, vocab) = (tp.local_config(&config), tp.vocab(&config));
+        let local = tp.local_config(&config);
+        let vocab = match &parallel {
+            Some(p) if p.vocab_parallel => tp.vocab(&config),
+            _ => 0..config.vocab_size,
+        };
         Ok(cubecl_kernels::persistent(
             device,
             (local, vocab, parallel),
@@ -347,6 +354,13 @@ impl Qwen2Model {
         self.layers.first().and_then(|l| l.parallel.as_ref())
     }
 
+    /// The collective of a rank whose embedding and LM head hold only part of the vocabulary
+    /// ([`Self::vocab`]); `None` when they hold all of it.
+    pub fn vocab_split(&self) -> Option<&Parallel> {
+        self.parallel()
+            .filter(|_| self.vocab.len() < self.config.vocab_size)
+    }
+
     /// The compute dtype of the weights.
     pub fn dtype(&self) -> DType {
         self.embed_tokens.val().dtype()
@@ -379,7 +393,7 @@ impl Qwen2Model {
     pub fn embed(&self, input_ids: Tensor<1, Int>) -> Tensor<2> {
         let table = self.embed_tokens.val();
         let ids = input_ids.clamp(0, self.config.vocab_size as i64 - 1);
-        let Some(parallel) = self.parallel() else {
+        let Some(parallel) = self.vocab_split() else {
             return table.select(0, ids);
         };
         let rows = table.dims()[0] as i64;
@@ -423,14 +437,14 @@ impl Qwen2Model {
         rows: LogitsRows,
     ) -> Tensor<2> {
         let logits = self.forward_vocab_shard(input_ids, meta, cache, rows);
-        match self.parallel() {
+        match self.vocab_split() {
             Some(p) => p.gather_vocab(logits, self.vocab.start, self.config.vocab_size),
             None => logits,
         }
     }
 
     /// [`Self::forward_model_dtype`]'s columns of this rank's tokens ([`Self::vocab`]):
-    /// `[rows, V_shard]`, not gathered (the whole logits on one device).
+    /// `[rows, V_shard]`, not gathered (the whole logits when the vocabulary is not split).
     pub fn forward_vocab_shard(
         &self,
         input_ids: Tensor<1, Int>,

@@ -3,7 +3,8 @@
 //! o_proj and down by input columns, each followed by one all-reduce of the partial products
 //! (the residual added once, by rank 0). Query heads split evenly; key/value heads split when
 //! they divide by the size, else replicated (each rank keeps the head its query heads read, as
-//! vLLM does: Qwen2-0.5B has 2 KV heads). The embedding and the LM head are split by
+//! vLLM does: Qwen2-0.5B has 2 KV heads). The embedding and the LM head are whole on every rank
+//! (every rank computes the same logits), or with [`Parallel::vocab_parallel`] split by
 //! vocabulary rows, as vLLM's `VocabParallelEmbedding` and `ParallelLMHead`: each rank looks up
 //! the ids of its rows (zeros for the others) and one all-reduce sums the embeddings; each rank
 //! computes its columns of the logits, which the sampler draws from without gathering them
@@ -148,6 +149,9 @@ pub struct Parallel {
     pub rank: TpRank,
     /// The group's sum.
     pub all_reduce: Arc<dyn AllReduce>,
+    /// Split the embedding and the LM head by vocabulary rows ([`TpRank::vocab`]) instead of
+    /// keeping them whole on every rank.
+    pub vocab_parallel: bool,
 }
 
 impl Parallel {

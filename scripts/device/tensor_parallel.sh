@@ -7,11 +7,12 @@
 #   tensor_parallel.sh bench MODEL...   (dist-b/benches.xz): bench.py (`nano`) and one request
 #       of 512 + 128 tokens (`latency`) on random weights of each model's config at TP 1, 2
 #       (and 4), both engines in one process (which must then exit).
-#   tensor_parallel.sh nano MODEL:TP[:gather]...   (dist-b/benches.xz): bench.py alone in its
-#       process per spec, in order (`:gather`: BURN_NANOVLLM_TP_LOGITS=gather, every step's
-#       logits gathered instead of the shards' draws exchanged).
-#   tensor_parallel.sh latency MODEL:TP...   (dist-b/benches.xz): one request of 512 + 128
-#       tokens, 3 iterations, alone in its process per spec.
+#   tensor_parallel.sh nano MODEL:TP[:vocab|:gather]...   (dist-b/benches.xz): bench.py alone
+#       in its process per spec, in order (`:vocab`: --vocab-parallel; `:gather`: that and
+#       BURN_NANOVLLM_TP_LOGITS=gather, every step's logits gathered instead of the shards'
+#       draws exchanged).
+#   tensor_parallel.sh latency MODEL:TP[:vocab]...   (dist-b/benches.xz): one request of
+#       512 + 128 tokens, 3 iterations, alone in its process per spec.
 #   tensor_parallel.sh kill MODEL   (dist-b/benches.xz): bench.py at TP 2, a worker killed with
 #       SIGKILL mid-run; how long rank 0 takes to end, and with what error.
 # Logs go to $OUT. NCCL_NVLS_ENABLE=0 (NVLink multicast off) in every process.
@@ -62,6 +63,8 @@ case "$mode" in
     for spec in "$@"; do
       IFS=: read -r model tp how <<< "$spec"
       env=()
+      vocab=()
+      [ -n "${how:-}" ] && vocab=(--vocab-parallel)
       [ "${how:-}" = gather ] && env=(BURN_NANOVLLM_TP_LOGITS=gather)
       name="$mode-$model-tp$tp${how:+-$how}"
       args=(nano)
@@ -69,7 +72,7 @@ case "$mode" in
       echo "== $name"
       start=$(date +%s)
       env "${env[@]}" timeout 300 /tmp/bin/benches "${args[@]}" --device cuda --dummy "$model" \
-        -tp "$tp" --out "$OUT/$name.json" 2>&1 | tee "$OUT/$name.log" | grep -E "^$model|blocks" | tail -n 3
+        -tp "$tp" "${vocab[@]}" --out "$OUT/$name.json" 2>&1 | tee "$OUT/$name.log" | grep -E "^$model|blocks" | tail -n 3
       echo "exit ${PIPESTATUS[0]} after $(( $(date +%s) - start )) s"
     done
     ;;

@@ -11,8 +11,12 @@
 //! the workers the step's sequences ([`PlannedSeq`]: new token ids, positions, block tables,
 //! which rows sample and which take the previous step's draws) before it enqueues its own
 //! forward, and the sampling plan ([`SamplePlan`]: penalties, token masks, each row's seeded
-//! draw) once it has made it. Each rank computes its columns of the logits (the LM head is
-//! split by vocabulary rows) and draws each row over them with the same plan; the ranks sum
+//! draw) once it has made it. Every rank computes the same logits (the row-split products are
+//! summed over the ranks, and the LM head is whole on every rank) and draws with the same plan,
+//! so every rank's standing draws buffer holds the same tokens and the next step's device-fed
+//! tokens agree without any exchange. With `EngineConfig::vocab_parallel` each rank computes
+//! its columns of the logits (the embedding and LM head split by vocabulary rows) and draws
+//! each row over them with the same plan; the ranks sum
 //! their (score, token) pairs (`cubecl_kernels::sample_shard`: `2 · size` floats a row instead
 //! of `[rows, V]` logits) and each picks the best, so every rank's standing draws buffer holds
 //! the same tokens and the next step's device-fed tokens agree; rows that need whole rows
@@ -157,6 +161,7 @@ pub(crate) fn load_rank(
     let parallel = Some(Parallel {
         rank: tp,
         all_reduce,
+        vocab_parallel: config.vocab_parallel,
     });
     let model = match source {
         ModelSource::Checkpoint(dir) => {

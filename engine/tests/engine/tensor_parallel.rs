@@ -20,11 +20,20 @@ fn tp(size: usize, config: EngineConfig) -> EngineConfig {
     }
 }
 
+/// [`tp`] with the embedding and LM head split by vocabulary rows.
+fn tp_vocab(size: usize, config: EngineConfig) -> EngineConfig {
+    EngineConfig {
+        vocab_parallel: true,
+        ..tp(size, config)
+    }
+}
+
 #[test]
 fn greedy_matches_transformers_at_tp_2_and_4() {
     for name in CHECKPOINTS {
         for size in [2, 4] {
             check_goldens_with(name, test_device(), tp(size, small_config()), false);
+            check_goldens_with(name, test_device(), tp_vocab(size, small_config()), false);
         }
     }
 }
@@ -52,8 +61,13 @@ fn sampling_preemption_and_prefix_hits_match_one_rank() {
     let config = tight_pool(small_config());
     let mut one = engine_on(name, test_device(), config.clone());
     let reference = run_all(&mut one, requests.clone());
-    for size in [2, 4] {
-        let mut engine = engine_on(name, test_device(), tp(size, config.clone()));
+    for config in [2, 4]
+        .map(|s| tp(s, config.clone()))
+        .into_iter()
+        .chain([tp_vocab(2, config)])
+    {
+        let size = config.tensor_parallel_size;
+        let mut engine = engine_on(name, test_device(), config);
         let out = run_all(&mut engine, requests.clone());
         assert!(
             engine.stats().preemptions > 0,
@@ -125,7 +139,7 @@ fn shard_draws_and_gathered_rows_match_one_rank() {
         .map(|size| {
             (
                 size,
-                engine_on(name, test_device(), tp(size, config.clone())),
+                engine_on(name, test_device(), tp_vocab(size, config.clone())),
             )
         })
         .into();

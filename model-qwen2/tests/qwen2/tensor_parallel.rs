@@ -2,7 +2,7 @@
 //! fixture checkpoint, the collective a host sum ([`HostAllReduce`]). Every rank's logits equal
 //! the whole model's within f32 rounding, at a prefill and at greedy decode steps over the
 //! cache, and the ranks draw the same tokens; KV heads are split (TP 2) or replicated (TP 4 of
-//! 2 heads).
+//! 2 heads); the embedding and LM head whole on every rank or split by vocabulary rows.
 
 use std::sync::Arc;
 
@@ -18,12 +18,19 @@ const PROMPT: [u32; 11] = [3, 17, 101, 7, 250, 9, 64, 511, 12, 33, 5];
 const STEPS: usize = 6;
 
 /// Rank `rank`'s model of `name` in a group of `size`.
-fn rank_model(name: &str, rank: usize, size: usize, all_reduce: Arc<dyn AllReduce>) -> Qwen2Model {
+fn rank_model(
+    name: &str,
+    rank: usize,
+    size: usize,
+    all_reduce: Arc<dyn AllReduce>,
+    vocab_parallel: bool,
+) -> Qwen2Model {
     let config = Qwen2Config::from_file(fixture(name).join("config.json")).unwrap();
     let mut ckpt = Checkpoint::open(fixture(name)).unwrap();
     let parallel = Parallel {
         rank: TpRank { rank, size },
         all_reduce,
+        vocab_parallel,
     };
     let model =
         Qwen2Model::from_checkpoint_part(config, &mut ckpt, Some(parallel), DType::F32, &device())
@@ -56,7 +63,7 @@ fn run(model: &Qwen2Model) -> (Vec<Vec<f32>>, Vec<u32>) {
 fn sharded_ranks_match_the_whole_model() {
     for name in CHECKPOINTS {
         let (whole_rows, whole_tokens) = run(&load_model(name));
-        for size in [2, 4] {
+        for (size, vocab_parallel) in [(2, false), (2, true), (4, false), (4, true)] {
             let outputs: Vec<(Vec<Vec<f32>>, Vec<u32>)> = std::thread::scope(|s| {
                 let group = HostAllReduce::group(size);
                 let ranks: Vec<_> = group
@@ -64,14 +71,18 @@ fn sharded_ranks_match_the_whole_model() {
                     .enumerate()
                     .map(|(rank, all_reduce)| {
                         s.spawn(move || {
-                            let model = rank_model(name, rank, size, all_reduce);
+                            let model = rank_model(name, rank, size, all_reduce, vocab_parallel);
                             let c = &model.config;
-                            // The vocabulary split in token order, every rank a part of it.
+                            // The vocabulary split in token order, every rank a part of it
+                            // (or whole on every rank).
                             let v = c.vocab_size;
                             let (n, extra) = (v / size, v % size);
-                            let first = rank * n + rank.min(extra);
-                            assert_eq!(model.vocab.start, first);
-                            assert_eq!(model.vocab.len(), n + usize::from(rank < extra));
+                            if vocab_parallel {
+                                assert_eq!(model.vocab.start, rank * n + rank.min(extra));
+                                assert_eq!(model.vocab.len(), n + usize::from(rank < extra));
+                            } else {
+                                assert_eq!(model.vocab, 0..v);
+                            }
                             assert_eq!(model.embed_tokens.val().dims()[0], model.vocab.len());
                             let heads = c.num_attention_heads;
                             (
@@ -99,12 +110,14 @@ fn sharded_ranks_match_the_whole_model() {
             for (rank, (rows, tokens)) in outputs.iter().enumerate() {
                 assert_eq!(
                     tokens, &whole_tokens,
-                    "{name} TP {size} rank {rank}: tokens"
+                    "{name} TP {size} (vocab parallel: {vocab_parallel}) rank {rank}: tokens"
                 );
                 assert_eq!(rows.len(), whole_rows.len());
                 for (p, (row, want)) in rows.iter().zip(&whole_rows).enumerate() {
                     assert_close(
-                        &format!("{name} TP {size} rank {rank} row {p}"),
+                        &format!(
+                            "{name} TP {size} (vocab parallel: {vocab_parallel}) rank {rank} row {p}"
+                        ),
                         row,
                         want,
                         1e-4,
