@@ -78,6 +78,10 @@ pub struct EngineConfig {
     /// draw of their shard instead of each computing the whole logits). Off: both are whole on
     /// every rank, which measured faster at bench.py's batches on 2 × H200 (`docs/BENCHMARKS.md`).
     pub vocab_parallel: bool,
+    /// Longest a tensor-parallel worker may take over one step message (enqueueing its part
+    /// of a step, which waits for its device when the device falls behind) before rank 0
+    /// declares it hung, ends it and fails the engine naming it.
+    pub tensor_parallel_step_timeout: std::time::Duration,
 }
 
 impl Default for EngineConfig {
@@ -99,6 +103,7 @@ impl Default for EngineConfig {
             admission_max_wait_steps: 16,
             tensor_parallel_size: 1,
             vocab_parallel: false,
+            tensor_parallel_step_timeout: std::time::Duration::from_secs(120),
             enable_prefix_caching: true,
             seed: 0,
             record_steps: false,
@@ -222,6 +227,12 @@ impl EngineConfig {
             return Err(c(
                 "tensor_parallel_size",
                 format!("{} is outside 1..=64", self.tensor_parallel_size),
+            ));
+        }
+        if self.tensor_parallel_step_timeout.is_zero() {
+            return Err(c(
+                "tensor_parallel_step_timeout",
+                "must be longer than 0".to_string(),
             ));
         }
         if self.num_kv_blocks == Some(0) {

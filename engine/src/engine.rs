@@ -292,6 +292,19 @@ impl LLMEngine {
         self.runner.set_fault_hook(hook);
     }
 
+    /// Makes tensor-parallel worker `rank` (`1..tensor_parallel_size`) do nothing for
+    /// `duration` before its next step: tests inject a hung rank here, which the watchdog
+    /// ends after [`EngineConfig::tensor_parallel_step_timeout`].
+    pub fn stall_worker(&mut self, rank: usize, duration: std::time::Duration) -> Result<()> {
+        match &mut self.workers {
+            Some(workers) => workers.stall(rank, duration),
+            None => Err(EngineError::config(
+                "tensor_parallel_size",
+                "no tensor-parallel workers to stall".into(),
+            )),
+        }
+    }
+
     /// Counters since the engine started.
     pub fn stats(&self) -> EngineStats {
         let mut s = self.stats;

@@ -39,6 +39,8 @@
 
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::time::Duration;
 
 use burn::tensor::{Device, Tensor};
 use model_qwen2::{AllReduce, Checkpoint, Parallel, Qwen2Config, Qwen2Model, TpRank};
@@ -52,6 +54,7 @@ use crate::step::{PlannedSeq, StepSeq};
 
 pub mod processes;
 pub mod threads;
+mod watchdog;
 
 pub use processes::serve_if_worker;
 
@@ -62,8 +65,30 @@ pub(crate) enum ToWorker {
     Forward(Vec<PlannedSeq>),
     /// Sample the last forward's logits with this plan.
     Sample(Box<SamplePlan>),
+    /// Do nothing for this long (tests: a rank that hangs).
+    Stall(Duration),
     /// Leave.
     Stop,
+}
+
+/// How far a worker got: the step messages rank 0 sent it and those it finished (its host
+/// part: enqueueing the step's device work). Rank 0's watchdog reads both.
+#[derive(Debug, Default)]
+pub(crate) struct Progress {
+    sent: AtomicU64,
+    done: AtomicU64,
+}
+
+impl Progress {
+    /// The worker finished one more message.
+    pub(crate) fn finished(&self) {
+        self.done.fetch_add(1, Ordering::AcqRel);
+    }
+
+    /// The worker has finished `n` messages (a count it reported).
+    pub(crate) fn set_done(&self, n: u64) {
+        self.done.fetch_max(n, Ordering::AcqRel);
+    }
 }
 
 /// Rank 0's handle on the other ranks.
@@ -71,6 +96,8 @@ pub(crate) struct Workers {
     links: Vec<Box<dyn Link>>,
     /// Rank 0's collective, aborted when rank 0 fails.
     all_reduce: Arc<dyn AllReduce>,
+    /// Set when the workers are stopped: the watchdog leaves.
+    stopped: Arc<AtomicBool>,
 }
 
 /// One worker, as rank 0 reaches it.
@@ -79,11 +106,41 @@ pub(crate) trait Link: Send {
     fn send(&mut self, message: &ToWorker) -> Result<()>;
     /// Waits (boundedly) for the worker to leave after `Stop`.
     fn join(&mut self);
+    /// The worker's rank.
+    fn rank(&self) -> usize;
+    /// How far the worker got.
+    fn progress(&self) -> Arc<Progress>;
+    /// What ends the worker when the watchdog finds it hung (`reason`), if anything can.
+    fn stopper(&self) -> Box<dyn Fn(&str) + Send>;
 }
 
 impl Workers {
-    pub(crate) fn new(links: Vec<Box<dyn Link>>, all_reduce: Arc<dyn AllReduce>) -> Self {
-        Self { links, all_reduce }
+    /// Rank 0's handle on `links`, with a watchdog that ends the group (aborting
+    /// `all_reduce`) when a worker has not finished a step message for `timeout`.
+    pub(crate) fn new(
+        links: Vec<Box<dyn Link>>,
+        all_reduce: Arc<dyn AllReduce>,
+        timeout: Duration,
+    ) -> Self {
+        let stopped = Arc::new(AtomicBool::new(false));
+        watchdog::spawn(&links, all_reduce.clone(), timeout, stopped.clone());
+        Self {
+            links,
+            all_reduce,
+            stopped,
+        }
+    }
+
+    /// Makes worker `rank` do nothing for `duration` before its next message (tests: a rank
+    /// that hangs).
+    pub(crate) fn stall(&mut self, rank: usize, duration: Duration) -> Result<()> {
+        let link = self
+            .links
+            .iter_mut()
+            .find(|l| l.rank() == rank)
+            .ok_or_else(|| EngineError::Device(format!("no tensor-parallel rank {rank}")))?;
+        link.progress().sent.fetch_add(1, Ordering::AcqRel);
+        link.send(&ToWorker::Stall(duration))
     }
 
     /// Sends the step's sequences to every worker (before rank 0 enqueues its own forward).
@@ -104,7 +161,10 @@ impl Workers {
     }
 
     fn send(&mut self, message: &ToWorker) -> Result<()> {
-        self.links.iter_mut().try_for_each(|l| l.send(message))
+        self.links.iter_mut().try_for_each(|l| {
+            l.progress().sent.fetch_add(1, Ordering::AcqRel);
+            l.send(message)
+        })
     }
 }
 
@@ -113,6 +173,7 @@ impl Drop for Workers {
     /// its link's bound is killed). The group is not aborted: NCCL's abort waits for the
     /// device, which blocked rank 0's shutdown on 2 × H200.
     fn drop(&mut self) {
+        self.stopped.store(true, Ordering::Release);
         for link in &mut self.links {
             let _ = link.send(&ToWorker::Stop);
         }
@@ -184,13 +245,14 @@ pub(crate) fn load_rank(
 }
 
 /// A worker after loading its share: start-up as rank 0's, then the steps `next` yields until
-/// `Stop` or the end of the messages.
+/// `Stop` or the end of the messages, calling `finished` after each.
 pub(crate) fn serve_steps(
     model: Qwen2Model,
     dir: Option<&Path>,
     device: Device,
     config: EngineConfig,
     mut next: impl FnMut() -> Result<Option<ToWorker>>,
+    mut finished: impl FnMut(),
 ) -> Result<()> {
     let StartUp { mut runner, .. } = start_up::start(model, dir, device, config)?;
     let shard = LogitsShard::of(runner.model());
@@ -207,8 +269,10 @@ pub(crate) fn serve_steps(
                     .ok_or_else(|| EngineError::Device("a sampling plan without logits".into()))?;
                 (*plan).enqueue(logits, runner.draws(), shard.as_ref(), false)?;
             }
+            ToWorker::Stall(duration) => std::thread::sleep(duration),
             ToWorker::Stop => break,
         }
+        finished();
     }
     Ok(())
 }

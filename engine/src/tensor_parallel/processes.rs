@@ -6,20 +6,22 @@
 //!
 //! Messages: on the worker's stdin, each a little-endian `u32` length and a MessagePack body;
 //! first a `Hello` (where the weights come from, the options, the NCCL id, the rank), then
-//! `ToWorker` steps. The end of stdin (rank 0 gone) ends the worker. A watchdog thread per
-//! worker notices its exit and aborts rank 0's communicator, so that rank 0's pending and
-//! later collectives fail at once instead of waiting for it; rank 0's next message to it then
-//! fails naming the rank and its exit status.
+//! `ToWorker` steps. The end of stdin (rank 0 gone) ends the worker. The worker reports each
+//! finished message on its stderr (a line `ACK_PREFIX` + count; rank 0 passes every other
+//! line on to its own stderr), which rank 0's watchdog reads to find a hung worker (killed).
+//! A thread per worker notices its exit and aborts rank 0's communicator, so that rank 0's
+//! pending and later collectives fail at once instead of waiting for it; rank 0's next message
+//! to it then fails naming the rank and its exit status (or the hang it was killed for).
 
-use std::io::{Read, Write};
-use std::process::{Child, ChildStdin, Command, Stdio};
+use std::io::{BufRead, Read, Write};
+use std::process::{Child, ChildStderr, ChildStdin, Command, Stdio};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use model_qwen2::AllReduce;
 use serde::{Deserialize, Serialize};
 
-use super::{Link, ModelSource, ToWorker, Workers, load_rank, serve_steps};
+use super::{Link, ModelSource, Progress, ToWorker, Workers, load_rank, serve_steps};
 use crate::config::EngineConfig;
 use crate::error::{EngineError, Result};
 
@@ -28,6 +30,9 @@ pub const WORKER_ENV: &str = "BURN_NANOVLLM_TP_WORKER";
 
 /// Longest a worker may take to leave after `Stop` before it is killed.
 const LEAVE_TIMEOUT: Duration = Duration::from_secs(10);
+
+/// The start of a worker's stderr line that reports how many step messages it has finished.
+const ACK_PREFIX: &str = "\u{1}burn-nanovllm-tp-done ";
 
 /// The first message to a worker.
 #[derive(Debug, Serialize, Deserialize)]
@@ -78,9 +83,18 @@ fn serve() -> Result<()> {
         all_reduce,
         &device,
     )?;
-    serve_steps(model, hello.source.dir(), device, hello.config, || {
-        read_message(&mut stdin)
-    })
+    let mut done = 0u64;
+    serve_steps(
+        model,
+        hello.source.dir(),
+        device,
+        hello.config,
+        || read_message(&mut stdin),
+        || {
+            done += 1;
+            eprintln!("{ACK_PREFIX}{done}");
+        },
+    )
 }
 
 /// This process's member of the group named by `nccl_id`.
@@ -157,6 +171,7 @@ pub(crate) fn spawn(
             .env(WORKER_ENV, rank.to_string())
             .env("CUDA_VISIBLE_DEVICES", &gpu_name)
             .stdin(Stdio::piped())
+            .stderr(Stdio::piped())
             .spawn()
             .map_err(|e| EngineError::Device(format!("tensor-parallel rank {rank}: {e}")))?;
         let mut stdin = child.stdin.take().expect("piped stdin");
@@ -186,7 +201,8 @@ pub(crate) fn spawn(
             all_reduce.clone(),
         )));
     }
-    Ok((all_reduce.clone(), Workers::new(links, all_reduce)))
+    let timeout = config.tensor_parallel_step_timeout;
+    Ok((all_reduce.clone(), Workers::new(links, all_reduce, timeout)))
 }
 
 /// A worker process and its watchdog.
@@ -194,13 +210,34 @@ struct ProcessLink {
     rank: usize,
     stdin: ChildStdin,
     child: Arc<Mutex<Child>>,
-    /// Set by the watchdog when the worker exited: its status.
+    /// Set when the worker exited (its status) or was found hung (why it was killed).
     exited: Arc<Mutex<Option<String>>>,
     stopping: Arc<std::sync::atomic::AtomicBool>,
+    progress: Arc<Progress>,
+}
+
+/// Reads a worker's stderr: its finished-message counts into `progress`, every other line
+/// on to this process's stderr.
+fn forward_stderr(stderr: ChildStderr, progress: Arc<Progress>) {
+    let _ = std::thread::Builder::new()
+        .name("tp-worker-stderr".into())
+        .spawn(move || {
+            for line in std::io::BufReader::new(stderr).lines() {
+                let Ok(line) = line else { return };
+                match line.strip_prefix(ACK_PREFIX).map(str::parse::<u64>) {
+                    Some(Ok(n)) => progress.set_done(n),
+                    _ => eprintln!("{line}"),
+                }
+            }
+        });
 }
 
 impl ProcessLink {
-    fn watch(rank: usize, child: Child, stdin: ChildStdin, group: Arc<dyn AllReduce>) -> Self {
+    fn watch(rank: usize, mut child: Child, stdin: ChildStdin, group: Arc<dyn AllReduce>) -> Self {
+        let progress = Arc::new(Progress::default());
+        if let Some(stderr) = child.stderr.take() {
+            forward_stderr(stderr, progress.clone());
+        }
         let child = Arc::new(Mutex::new(child));
         let exited = Arc::new(Mutex::new(None));
         let stopping = Arc::new(std::sync::atomic::AtomicBool::new(false));
@@ -212,7 +249,12 @@ impl ProcessLink {
                     Ok(None) => std::thread::sleep(Duration::from_millis(50)),
                     Ok(Some(status)) => {
                         let text = format!("tensor-parallel rank {rank} exited ({status})");
-                        *e.lock().unwrap_or_else(|p| p.into_inner()) = Some(text.clone());
+                        // A worker killed as hung keeps that reason.
+                        let text = e
+                            .lock()
+                            .unwrap_or_else(|p| p.into_inner())
+                            .get_or_insert(text)
+                            .clone();
                         if !s.load(std::sync::atomic::Ordering::Acquire) {
                             group.abort(&text);
                         }
@@ -228,6 +270,7 @@ impl ProcessLink {
             child,
             exited,
             stopping,
+            progress,
         }
     }
 }
@@ -264,6 +307,25 @@ impl Link for ProcessLink {
             std::thread::sleep(Duration::from_millis(20));
         }
         let _ = self.child.lock().unwrap_or_else(|p| p.into_inner()).kill();
+    }
+
+    fn rank(&self) -> usize {
+        self.rank
+    }
+
+    fn progress(&self) -> Arc<Progress> {
+        self.progress.clone()
+    }
+
+    fn stopper(&self) -> Box<dyn Fn(&str) + Send> {
+        let (child, exited) = (self.child.clone(), self.exited.clone());
+        Box::new(move |reason| {
+            exited
+                .lock()
+                .unwrap_or_else(|p| p.into_inner())
+                .get_or_insert_with(|| format!("{reason}; killed"));
+            let _ = child.lock().unwrap_or_else(|p| p.into_inner()).kill();
+        })
     }
 }
 

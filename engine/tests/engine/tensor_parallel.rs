@@ -4,7 +4,7 @@
 //! caching give what one rank gives, whether a step's rows draw over vocabulary shards and
 //! exchange their best (plain and greedy rows, with penalties, biases and token masks) or
 //! gather whole rows (filters, log-probabilities); a size the heads do not divide is refused
-//! naming the field.
+//! naming the field; a rank that fails or hangs ends the engine.
 
 use burn::tensor::TensorData;
 use engine::sampler::TokenMasks;
@@ -259,4 +259,48 @@ fn a_failed_rank_ends_the_engine_and_its_workers() {
         "{err}"
     );
     assert!(!unfinished);
+}
+
+/// A worker that hangs (stalled for ten minutes before its next step) ends the engine with an
+/// error naming it once the step timeout passes, and dropping the engine returns (the whole
+/// bounded here by a minute).
+#[test]
+fn a_hung_rank_ends_the_engine_within_the_step_timeout() {
+    let (done, finished) = std::sync::mpsc::channel();
+    std::thread::spawn(move || {
+        let name = "qwen2-tiny-untied";
+        let prompts = Golden::load(name).prompts();
+        let config = EngineConfig {
+            tensor_parallel_step_timeout: std::time::Duration::from_secs(5),
+            ..tp(2, small_config())
+        };
+        let mut engine = engine_on(name, test_device(), config);
+        for p in prompts.iter().take(2) {
+            engine.add_request(p.clone(), greedy(8)).unwrap();
+        }
+        // A few steps first: a healthy group is not taken for hung.
+        for _ in 0..3 {
+            engine.step().unwrap();
+        }
+        let start = std::time::Instant::now();
+        engine
+            .stall_worker(1, std::time::Duration::from_secs(600))
+            .unwrap();
+        let err = loop {
+            if let Err(e) = engine.step() {
+                break e;
+            }
+        };
+        let waited = start.elapsed();
+        drop(engine);
+        let _ = done.send((err, waited));
+    });
+    let (err, waited) = finished
+        .recv_timeout(std::time::Duration::from_secs(60))
+        .expect("the engine ended and returned");
+    assert!(
+        matches!(&err, EngineError::DeviceFailed(c) if c.contains("rank 1 hung")),
+        "{err}"
+    );
+    assert!(waited >= std::time::Duration::from_secs(5), "{waited:?}");
 }
