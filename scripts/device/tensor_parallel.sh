@@ -2,8 +2,8 @@
 # On a GPU machine with several GPUs of one host (device tool, nvidia-h100-x2 or x4):
 # tensor parallelism. One binary travels per call (each is ~40 MB of the 64 MiB tree):
 #   tensor_parallel.sh check   (dist/burn-nanovllm.xz, models/tiny-english): greedy outputs of
-#       the default model at TP 1, 2 (and 4 where 4 GPUs are seen), f32 and bf16, through
-#       `generate`, compared with TP 1's.
+#       the default model at TP 1, 2 (and 4 where 4 GPUs are seen; each with the whole LM head
+#       and with --vocab-parallel), f32 and bf16, through `generate`, compared with TP 1's.
 #   tensor_parallel.sh bench MODEL...   (dist-b/benches.xz): bench.py (`nano`) and one request
 #       of 512 + 128 tokens (`latency`) on random weights of each model's config at TP 1, 2
 #       (and 4), both engines in one process (which must then exit).
@@ -27,22 +27,28 @@ mode=${1:-check}
 shift || true
 case "$mode" in
   check)
+    # TP 1, then each larger size with the whole LM head and with --vocab-parallel ("v").
     prompts=(--prompt "Once upon a time" --prompt "The little dog" --prompt "She opened the door and")
+    runs="1"
+    for tp in $sizes; do [ "$tp" != 1 ] && runs="$runs $tp ${tp}v"; done
     for dtype in f32 bf16; do
-      for tp in $sizes; do
-        echo "== generate, default model, $dtype, TP $tp"
+      for run in $runs; do
+        tp=${run%v}
+        extra=()
+        [ "$run" != "$tp" ] && extra=(--vocab-parallel)
+        echo "== generate, default model, $dtype, TP $run"
         timeout 300 /tmp/bin/burn-nanovllm generate --device cuda --dtype "$dtype" -tp "$tp" \
-          --temperature 0 --max-tokens 48 --no-progress "${prompts[@]}" \
-          > "$OUT/generate-$dtype-tp$tp.txt" 2> "$OUT/generate-$dtype-tp$tp.log"
-        echo "exit $?"; tail -n 2 "$OUT/generate-$dtype-tp$tp.log"
+          "${extra[@]}" --temperature 0 --max-tokens 48 --no-progress "${prompts[@]}" \
+          > "$OUT/generate-$dtype-tp$run.txt" 2> "$OUT/generate-$dtype-tp$run.log"
+        echo "exit $?"; tail -n 2 "$OUT/generate-$dtype-tp$run.log"
       done
-      for tp in $sizes; do
-        [ "$tp" = 1 ] && continue
-        if cmp -s "$OUT/generate-$dtype-tp1.txt" "$OUT/generate-$dtype-tp$tp.txt"; then
-          echo "$dtype TP $tp: identical to TP 1"
+      for run in $runs; do
+        [ "$run" = 1 ] && continue
+        if cmp -s "$OUT/generate-$dtype-tp1.txt" "$OUT/generate-$dtype-tp$run.txt"; then
+          echo "$dtype TP $run: identical to TP 1"
         else
-          echo "$dtype TP $tp: differs from TP 1"
-          diff "$OUT/generate-$dtype-tp1.txt" "$OUT/generate-$dtype-tp$tp.txt" | head -20
+          echo "$dtype TP $run: differs from TP 1"
+          diff "$OUT/generate-$dtype-tp1.txt" "$OUT/generate-$dtype-tp$run.txt" | head -20
         fi
       done
     done
