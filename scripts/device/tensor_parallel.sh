@@ -13,6 +13,11 @@
 #       draws exchanged).
 #   tensor_parallel.sh latency MODEL:TP[:vocab]...   (dist-b/benches.xz): one request of
 #       512 + 128 tokens, 3 iterations, alone in its process per spec.
+#   tensor_parallel.sh peers MODEL:TP...   (the peer kit installed in /tmp/site, its copy
+#       carried as .peerkit): vLLM 0.24's bench.py run (bench_peers.py --workload bench) at each
+#       spec, random weights of benches/configs/MODEL.json (load_format dummy) with the Qwen2
+#       tokenizer install.sh leaves in /tmp/peerkit-tokenizer; run `nano` with the same specs
+#       in the same call for ours beside it.
 #   tensor_parallel.sh kill MODEL   (dist-b/benches.xz): bench.py at TP 2, a worker killed with
 #       SIGKILL mid-run; how long rank 0 takes to end, and with what error.
 # Logs go to $OUT. NCCL_NVLS_ENABLE=0 (NVLink multicast off) in every process.
@@ -80,6 +85,23 @@ case "$mode" in
       env "${env[@]}" timeout 300 /tmp/bin/benches "${args[@]}" --device cuda --dummy "$model" \
         -tp "$tp" "${vocab[@]}" --out "$OUT/$name.json" 2>&1 | tee "$OUT/$name.log" | grep -E "^$model|blocks" | tail -n 3
       echo "exit ${PIPESTATUS[0]} after $(( $(date +%s) - start )) s"
+    done
+    ;;
+  peers)
+    export PYTHONPATH=/tmp/site PYTHONUNBUFFERED=1 VLLM_USE_FLASHINFER_SAMPLER=0
+    for spec in "$@"; do
+      IFS=: read -r model tp _ <<< "$spec"
+      dir=/tmp/models/$model-config
+      mkdir -p "$dir"
+      cp benches/configs/"$model".json "$dir/config.json"
+      # The Qwen2 tokenizer the kit's install.sh leaves there.
+      cp /tmp/peerkit-tokenizer/{tokenizer.json,tokenizer_config.json} "$dir/"
+      echo "== vLLM $model TP $tp"
+      start=$(date +%s)
+      timeout 400 python3 .peerkit/bench_peers.py --engine vllm --model "$dir" --workload bench \
+        --tensor-parallel-size "$tp" --out "$OUT/vllm-$model-tp$tp.json" > "$OUT/vllm-$model-tp$tp.log" 2>&1
+      echo "exit $? after $(( $(date +%s) - start )) s"
+      tail -n 3 "$OUT/vllm-$model-tp$tp.log"
     done
     ;;
   kill)
