@@ -100,10 +100,41 @@ pub(crate) struct Workers {
     stopped: Arc<AtomicBool>,
 }
 
+/// A message on its way to every worker, encoded (MessagePack) at most once for all the links
+/// that send bytes.
+pub(crate) struct Outgoing<'a> {
+    message: &'a ToWorker,
+    encoded: std::cell::OnceCell<Vec<u8>>,
+}
+
+impl<'a> Outgoing<'a> {
+    pub(crate) fn new(message: &'a ToWorker) -> Self {
+        Self {
+            message,
+            encoded: std::cell::OnceCell::new(),
+        }
+    }
+
+    /// The message.
+    pub(crate) fn message(&self) -> &ToWorker {
+        self.message
+    }
+
+    /// Its MessagePack encoding (made on the first call).
+    pub(crate) fn encoded(&self) -> Result<&[u8]> {
+        if let Some(bytes) = self.encoded.get() {
+            return Ok(bytes);
+        }
+        let bytes = rmp_serde::to_vec(self.message)
+            .map_err(|e| EngineError::Device(format!("encoding a step: {e}")))?;
+        Ok(self.encoded.get_or_init(|| bytes))
+    }
+}
+
 /// One worker, as rank 0 reaches it.
 pub(crate) trait Link: Send {
     /// Sends `message`; an error names the rank and why it cannot be reached.
-    fn send(&mut self, message: &ToWorker) -> Result<()>;
+    fn send(&mut self, message: &Outgoing<'_>) -> Result<()>;
     /// Waits (boundedly) for the worker to leave after `Stop`.
     fn join(&mut self);
     /// The worker's rank.
@@ -140,7 +171,7 @@ impl Workers {
             .find(|l| l.rank() == rank)
             .ok_or_else(|| EngineError::Device(format!("no tensor-parallel rank {rank}")))?;
         link.progress().sent.fetch_add(1, Ordering::AcqRel);
-        link.send(&ToWorker::Stall(duration))
+        link.send(&Outgoing::new(&ToWorker::Stall(duration)))
     }
 
     /// Sends the step's sequences to every worker (before rank 0 enqueues its own forward).
@@ -161,9 +192,10 @@ impl Workers {
     }
 
     fn send(&mut self, message: &ToWorker) -> Result<()> {
+        let outgoing = Outgoing::new(message);
         self.links.iter_mut().try_for_each(|l| {
             l.progress().sent.fetch_add(1, Ordering::AcqRel);
-            l.send(message)
+            l.send(&outgoing)
         })
     }
 }
@@ -175,7 +207,7 @@ impl Drop for Workers {
     fn drop(&mut self) {
         self.stopped.store(true, Ordering::Release);
         for link in &mut self.links {
-            let _ = link.send(&ToWorker::Stop);
+            let _ = link.send(&Outgoing::new(&ToWorker::Stop));
         }
         for link in &mut self.links {
             link.join();

@@ -21,7 +21,7 @@ use std::time::{Duration, Instant};
 use model_qwen2::AllReduce;
 use serde::{Deserialize, Serialize};
 
-use super::{Link, ModelSource, Progress, ToWorker, Workers, load_rank, serve_steps};
+use super::{Link, ModelSource, Outgoing, Progress, ToWorker, Workers, load_rank, serve_steps};
 use crate::config::EngineConfig;
 use crate::error::{EngineError, Result};
 
@@ -276,7 +276,7 @@ impl ProcessLink {
 }
 
 impl Link for ProcessLink {
-    fn send(&mut self, message: &ToWorker) -> Result<()> {
+    fn send(&mut self, message: &Outgoing<'_>) -> Result<()> {
         if let Some(status) = self
             .exited
             .lock()
@@ -285,11 +285,11 @@ impl Link for ProcessLink {
         {
             return Err(EngineError::Device(status));
         }
-        if matches!(message, ToWorker::Stop) {
+        if matches!(message.message(), ToWorker::Stop) {
             self.stopping
                 .store(true, std::sync::atomic::Ordering::Release);
         }
-        write_message(&mut self.stdin, message)
+        write_frame(&mut self.stdin, message.encoded()?)
             .map_err(|e| EngineError::Device(format!("tensor-parallel rank {}: {e}", self.rank)))
     }
 
@@ -331,9 +331,14 @@ impl Link for ProcessLink {
 
 fn write_message<T: Serialize>(out: &mut impl Write, message: &T) -> std::io::Result<()> {
     let body = rmp_serde::to_vec(message).map_err(std::io::Error::other)?;
+    write_frame(out, &body)
+}
+
+/// One frame: the body's length (`u32`, little-endian), then the body.
+fn write_frame(out: &mut impl Write, body: &[u8]) -> std::io::Result<()> {
     let len = u32::try_from(body.len()).map_err(std::io::Error::other)?;
     out.write_all(&len.to_le_bytes())?;
-    out.write_all(&body)?;
+    out.write_all(body)?;
     out.flush()
 }
 

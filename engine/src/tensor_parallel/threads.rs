@@ -11,7 +11,7 @@ use std::time::{Duration, Instant};
 use cubecl_kernels::DeviceKind;
 use model_qwen2::AllReduce;
 
-use super::{Link, ModelSource, Progress, ToWorker, Workers, load_rank, serve_steps};
+use super::{Link, ModelSource, Outgoing, Progress, ToWorker, Workers, load_rank, serve_steps};
 use crate::config::EngineConfig;
 use crate::error::{EngineError, Result, panic_text};
 
@@ -28,8 +28,8 @@ struct ThreadLink {
 }
 
 impl Link for ThreadLink {
-    fn send(&mut self, message: &ToWorker) -> Result<()> {
-        self.tx.send(message.clone()).map_err(|_| {
+    fn send(&mut self, message: &Outgoing<'_>) -> Result<()> {
+        self.tx.send(message.message().clone()).map_err(|_| {
             EngineError::Device(format!("tensor-parallel rank {} has stopped", self.rank))
         })
     }
