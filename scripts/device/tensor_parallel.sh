@@ -13,6 +13,8 @@
 #       draws exchanged).
 #   tensor_parallel.sh latency MODEL:TP[:vocab]...   (dist-b/benches.xz): one request of
 #       512 + 128 tokens, 3 iterations, alone in its process per spec.
+#   (nano and latency pass $BENCH_ARGS on to benches, e.g. BENCH_ARGS=--gpu-timeline for rank
+#   0's GPU busy and idle time per step.)
 #   tensor_parallel.sh peers MODEL:TP...   (the peer kit installed in /tmp/site, its copy
 #       carried as .peerkit): vLLM 0.24's bench.py run (bench_peers.py --workload bench) at each
 #       spec, random weights of benches/configs/MODEL.json (load_format dummy) with the Qwen2
@@ -83,7 +85,7 @@ case "$mode" in
       echo "== $name"
       start=$(date +%s)
       env "${env[@]}" timeout 300 /tmp/bin/benches "${args[@]}" --device cuda --dummy "$model" \
-        -tp "$tp" "${vocab[@]}" --out "$OUT/$name.json" 2>&1 | tee "$OUT/$name.log" | grep -E "^$model|blocks" | tail -n 3
+        -tp "$tp" "${vocab[@]}" ${BENCH_ARGS:-} --out "$OUT/$name.json" 2>&1 | tee "$OUT/$name.log" | grep -E "^$model|blocks" | tail -n 3
       echo "exit ${PIPESTATUS[0]} after $(( $(date +%s) - start )) s"
     done
     ;;
