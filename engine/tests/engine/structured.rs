@@ -1,7 +1,9 @@
 //! Structured outputs on the trained default model: every constraint kind's outputs parse and
 //! validate (serde_json and a JSON-schema validator), across seeds, mixed in batches with
 //! unconstrained requests, with overlapped and plain step loops; unconstrained greedy outputs
-//! stay what they are alone; invalid constraints are refused naming the field.
+//! stay what they are alone; under tensor parallelism (the LM head whole or split by
+//! vocabulary) constrained outputs are what one rank gives; invalid constraints are refused
+//! naming the field.
 
 use engine::{
     EngineConfig, EngineError, FinishReason, LLMEngine, SamplingParams, StructuredOutput,
@@ -315,4 +317,55 @@ fn grammars_name_special_tokens_of_the_real_qwen_vocabulary() {
         !ids.is_empty() && ids.iter().all(|&t| t < 151643),
         "{ids:?}"
     );
+}
+
+/// Under tensor parallelism (TP 2, the LM head whole on both ranks or split by vocabulary, so
+/// that each rank masks its own shard of the logits), every constraint kind gives what one
+/// rank gives, greedy and seeded, mixed in one batch; the outputs that complete validate.
+#[test]
+fn constrained_outputs_under_tensor_parallelism_match_one_rank() {
+    let config = EngineConfig {
+        max_num_seqs: Some(8),
+        max_num_batched_tokens: 64,
+        ..small_config()
+    };
+    let mut one = engine(config.clone());
+    let prompts = prompts(&one);
+    let mut requests = Vec::new();
+    for (k, constraint) in constraints().into_iter().enumerate() {
+        for seed in [None, Some(7)] {
+            let params = SamplingParams {
+                temperature: if seed.is_some() { 1.0 } else { 0.0 },
+                seed,
+                max_tokens: 96,
+                structured_output: Some(constraint.clone()),
+                ..SamplingParams::default()
+            };
+            requests.push((prompts[k % prompts.len()].clone(), params));
+        }
+    }
+    let reference = run_all(&mut one, requests.clone());
+    for vocab_parallel in [false, true] {
+        let mut e = engine(EngineConfig {
+            tensor_parallel_size: 2,
+            vocab_parallel,
+            ..config.clone()
+        });
+        let outs = run_all(&mut e, requests.clone());
+        for (i, ((out, want), (_, params))) in
+            outs.iter().zip(&reference).zip(&requests).enumerate()
+        {
+            let constraint = params.structured_output.as_ref().unwrap();
+            assert_eq!(
+                out.tokens,
+                want.tokens,
+                "vocab parallel {vocab_parallel}, request {i} ({}): {:?}",
+                constraint.kind(),
+                out.text
+            );
+            if out.last().finish_reason == Some(FinishReason::Stop) {
+                check(constraint, &out.text).unwrap_or_else(|e| panic!("{e}: {:?}", out.text));
+            }
+        }
+    }
 }
