@@ -14,7 +14,7 @@
 #   tensor_parallel.sh latency MODEL:TP[:vocab]...   (dist-b/benches.xz): one request of
 #       512 + 128 tokens, 3 iterations, alone in its process per spec.
 #   (nano and latency pass $BENCH_ARGS on to benches, e.g. BENCH_ARGS=--gpu-timeline for rank
-#   0's GPU busy and idle time per step.)
+#   0's GPU busy and idle time per step, and add $BENCH_TAG to the log names.)
 #   tensor_parallel.sh peers MODEL:TP...   (the peer kit installed in /tmp/site, its copy
 #       carried as .peerkit): vLLM 0.24's bench.py run (bench_peers.py --workload bench) at each
 #       spec, random weights of benches/configs/MODEL.json (load_format dummy) with the Qwen2
@@ -79,7 +79,7 @@ case "$mode" in
       vocab=()
       [ -n "${how:-}" ] && vocab=(--vocab-parallel)
       [ "${how:-}" = gather ] && env=(BURN_NANOVLLM_TP_LOGITS=gather)
-      name="$mode-$model-tp$tp${how:+-$how}"
+      name="$mode-$model-tp$tp${how:+-$how}${BENCH_TAG:+-$BENCH_TAG}"
       args=(nano)
       [ "$mode" = latency ] && args=(latency --input-len 512 --output-len 128 --batch-size 1 --iters 3)
       echo "== $name"
