@@ -5,7 +5,7 @@
 //! `units` units stride over the cube's slice of the vocabulary, so every pass over a row is
 //! coalesced. With `P > 1` parts (few rows: a row's draw would otherwise run on one
 //! multiprocessor) each part draws over its `⌈V/P⌉` tokens and writes its best score and token
-//! to `partial [B, P]`, and [`sample_combine`] keeps the best of each row; a row with a filter
+//! to `partial [B, P]`, and [`super::combine::sample_combine`] keeps the best of each row; a row with a filter
 //! (whose threshold needs the whole row) runs on part 0 alone. The best score and the lowest id
 //! among equal scores do not depend on the split, so neither does the token. Per row:
 //! - greedy (`temperature ≤ 0`; the host sends 0 for any below `GREEDY_BELOW`): one pass,
@@ -24,9 +24,9 @@
 //!   fixed point, so the sums do not depend on the order of the atomic adds).
 //!
 //! Under tensor parallelism with the vocabulary split over the ranks, each rank draws over its
-//! shard (`cfg.shard`: global ids for the hash and the result), [`sample_shard_combine`] writes
-//! its best (score, token) into its slot of a zeroed exchange buffer, the ranks sum the buffers,
-//! and [`pick_exchanged`] keeps the best pair: the whole row's token (filters need the whole row
+//! shard (`cfg.shard`: global ids for the hash and the result), `combine.rs` writes its best
+//! (score, token) into its slot of a zeroed exchange buffer, the ranks sum the buffers, and
+//! keeps the best pair: the whole row's token (filters need the whole row
 //! and are not drawn this way).
 //!
 //! Shared memory: 256 u64 bins, `2·units` reduction slots, a few words of state.
@@ -42,7 +42,8 @@ pub struct SampleConfig {
     pub use_plane: bool,
     /// The logits are one vocabulary shard of a tensor-parallel group (`shard [2]` =
     /// (first token id, slot)): ids are global (hash and result), and every row writes its
-    /// part's best to the partials, even with one part (see [`sample_shard_combine`]).
+    /// part's best to the partials, even with one part (see
+    /// [`super::combine::sample_shard_combine`]).
     pub shard: bool,
 }
 
@@ -145,7 +146,7 @@ fn cube_argmax(
 /// Whether score `v` of token `i` beats the best so far: a larger score, or an equal one of a
 /// lower token (the rule that makes a draw independent of how its row was split).
 #[cube]
-fn beats(v: f32, i: u32, best_v: f32, best_i: u32) -> bool {
+pub(crate) fn beats(v: f32, i: u32, best_v: f32, best_i: u32) -> bool {
     v > best_v || (v == best_v && i < best_i)
 }
 
@@ -210,7 +211,12 @@ fn may_win(s0: f32, bound: f32, best: f32) -> bool {
 /// Whether row `row`'s draw has a filter (min-p, a binding top-k, top-p), whose threshold
 /// needs the whole row in one cube.
 #[cube]
-fn has_filter(params_f: &Tensor<f32>, params_u: &Tensor<u32>, row: usize, vocab: usize) -> bool {
+pub(crate) fn has_filter(
+    params_f: &Tensor<f32>,
+    params_u: &Tensor<u32>,
+    row: usize,
+    vocab: usize,
+) -> bool {
     let pf = row * params_f.stride(0);
     let top_k = params_u[row * params_u.stride(0)];
     params_f[pf] > 0.0
@@ -501,101 +507,6 @@ pub fn sample_rows<F: Float>(
         } else {
             tokens[row] = token as i32;
         }
-    }
-}
-
-/// The best of `parts` (score, token) pairs of a split [`sample_rows`] row starting at `base`
-/// (the lowest token among equal scores).
-#[cube]
-fn best_part(
-    partial_v: &Tensor<f32>,
-    partial_i: &Tensor<u32>,
-    base: usize,
-    parts: usize,
-) -> (f32, u32) {
-    let mut best_v = partial_v[base];
-    let mut best_i = partial_i[base];
-    for p in 1..parts {
-        let v = partial_v[base + p];
-        let i = partial_i[base + p];
-        if beats(v, i, best_v, best_i) {
-            best_v = v;
-            best_i = i;
-        }
-    }
-    (best_v, best_i)
-}
-
-/// The token of each row of a split [`sample_rows`]: the best of its parts' scores (the lowest
-/// token among equal ones), one unit per row, into `tokens [B]`.
-#[cube(launch_unchecked)]
-pub fn sample_combine(
-    partial_v: &Tensor<f32>,
-    partial_i: &Tensor<u32>,
-    params_f: &Tensor<f32>,
-    params_u: &Tensor<u32>,
-    tokens: &mut Tensor<i32>,
-    vocab: usize,
-) {
-    let row = (CUBE_POS_X * CUBE_DIM_X + UNIT_POS_X) as usize;
-    if row < partial_v.shape(0) {
-        let parts = select(
-            has_filter(params_f, params_u, row, vocab),
-            1usize,
-            partial_v.shape(1),
-        );
-        let (_, best_i) = best_part(partial_v, partial_i, row * partial_v.stride(0), parts);
-        tokens[row] = best_i as i32;
-    }
-}
-
-/// A vocabulary shard's best (score, global token) of each row of a shard-mode [`sample_rows`]
-/// (no filters: every part counts), one unit per row, written into the row's slot of
-/// `exchange [B, 2·S]` f32 (`S` slots: scores in columns `0..S`, tokens as f32 — exact below
-/// 2²⁴ — in `S..2S`; slot `shard[1]`). The other slots are left as they are (zero), so that a
-/// sum over the group's ranks is every shard's pair.
-#[cube(launch_unchecked)]
-pub fn sample_shard_combine(
-    partial_v: &Tensor<f32>,
-    partial_i: &Tensor<u32>,
-    shard: &Tensor<u32>,
-    exchange: &mut Tensor<f32>,
-) {
-    let row = (CUBE_POS_X * CUBE_DIM_X + UNIT_POS_X) as usize;
-    if row < partial_v.shape(0) {
-        let (best_v, best_i) = best_part(
-            partial_v,
-            partial_i,
-            row * partial_v.stride(0),
-            partial_v.shape(1),
-        );
-        let slots = exchange.shape(1) / 2;
-        let at = row * exchange.stride(0) + shard[1] as usize;
-        exchange[at] = best_v;
-        exchange[at + slots] = f32::cast_from(best_i);
-    }
-}
-
-/// The token of each row of a summed `exchange [B, 2·S]` (see [`sample_shard_combine`]): the
-/// best of its `S` shards' pairs, the lowest token among equal scores (shards are ordered by
-/// token, so this is the whole row's draw), into `tokens [B]`.
-#[cube(launch_unchecked)]
-pub fn pick_exchanged(exchange: &Tensor<f32>, tokens: &mut Tensor<i32>) {
-    let row = (CUBE_POS_X * CUBE_DIM_X + UNIT_POS_X) as usize;
-    if row < exchange.shape(0) {
-        let slots = exchange.shape(1) / 2;
-        let base = row * exchange.stride(0);
-        let mut best_v = exchange[base];
-        let mut best_i = u32::cast_from(exchange[base + slots]);
-        for s in 1..slots {
-            let v = exchange[base + s];
-            let i = u32::cast_from(exchange[base + slots + s]);
-            if beats(v, i, best_v, best_i) {
-                best_v = v;
-                best_i = i;
-            }
-        }
-        tokens[row] = best_i as i32;
     }
 }
 

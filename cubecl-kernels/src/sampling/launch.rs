@@ -5,10 +5,8 @@ use burn::tensor::{DType, Shape};
 use burn_cubecl::{ops::numeric::empty_device_dtype, tensor::CubeTensor};
 use cubecl::prelude::{CubeCount, CubeDim};
 
-use super::kernel::{
-    SampleConfig, mask_disallowed, pick_exchanged, sample_combine, sample_rows,
-    sample_shard_combine,
-};
+use super::combine::{pick_exchanged, sample_combine, sample_shard_combine};
+use super::kernel::{SampleConfig, mask_disallowed, sample_rows};
 use crate::device_caps::DeviceCaps;
 
 /// Units per cube (a row, or a part of one) on plane devices, or the device's most if fewer:

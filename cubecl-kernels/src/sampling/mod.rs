@@ -17,6 +17,7 @@
 //! Structured outputs mask their rows first ([`mask_logits`]: a bitmask of allowed tokens per
 //! row, disallowed logits set to −∞ in place), so no filter or draw can pick a banned token.
 
+pub(crate) mod combine;
 pub(crate) mod kernel;
 pub(crate) mod launch;
 mod ops;
