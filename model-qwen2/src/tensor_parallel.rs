@@ -133,6 +133,13 @@ pub trait AllReduce: Send + Sync + Debug {
     /// The element-wise sum of `x [M, N]` over the ranks, returned on every rank.
     fn sum(&self, x: Tensor<2>) -> Tensor<2>;
 
+    /// [`Self::sum`] for work outside the step graphs (the sampler's exchange, gathered logits):
+    /// over a collective of its own where the transport keeps one, so that it does not share
+    /// a communicator with the collectives recorded in the graphs. [`Self::sum`] by default.
+    fn sum_outside_graphs(&self, x: Tensor<2>) -> Tensor<2> {
+        self.sum(x)
+    }
+
     /// The least of every rank's `value` (the ranks agree on sizes they measured apart,
     /// such as the KV pool's blocks).
     fn min(&self, value: usize) -> usize;
@@ -163,7 +170,7 @@ impl Parallel {
         let [rows, v] = shard.dims();
         let whole = Tensor::<2>::zeros([rows, vocab_size], (&shard.device(), shard.dtype()));
         let whole = whole.slice_assign([0..rows, first..first + v], shard);
-        self.all_reduce.sum(whole)
+        self.all_reduce.sum_outside_graphs(whole)
     }
 }
 
@@ -321,6 +328,9 @@ impl AllReduce for HostAllReduce {
 pub struct NcclAllReduce {
     /// The communicator.
     pub comm: Arc<cubecl_kernels::NcclComm>,
+    /// A second communicator of the same ranks for [`AllReduce::sum_outside_graphs`], if any
+    /// (NCCL serialises a communicator's eager operations with those its graphs hold).
+    pub outside_graphs: Option<Arc<cubecl_kernels::NcclComm>>,
     /// This rank's device.
     pub device: burn::tensor::Device,
 }
@@ -329,6 +339,11 @@ pub struct NcclAllReduce {
 impl AllReduce for NcclAllReduce {
     fn sum(&self, x: Tensor<2>) -> Tensor<2> {
         cubecl_kernels::all_reduce_sum(x, &self.comm).unwrap_or_else(|e| panic!("{e}"))
+    }
+
+    fn sum_outside_graphs(&self, x: Tensor<2>) -> Tensor<2> {
+        let comm = self.outside_graphs.as_ref().unwrap_or(&self.comm);
+        cubecl_kernels::all_reduce_sum(x, comm).unwrap_or_else(|e| panic!("{e}"))
     }
 
     fn min(&self, value: usize) -> usize {
@@ -347,5 +362,8 @@ impl AllReduce for NcclAllReduce {
 
     fn abort(&self, reason: &str) {
         self.comm.abort(reason);
+        if let Some(comm) = &self.outside_graphs {
+            comm.abort(reason);
+        }
     }
 }

@@ -131,7 +131,7 @@ impl SamplePlan {
             slots: s.parallel.rank.size,
         };
         let exchange = cubecl_kernels::sample_shard(logits, &self.rows, shard, self.vocab)?;
-        let exchange = s.parallel.all_reduce.sum(exchange);
+        let exchange = s.parallel.all_reduce.sum_outside_graphs(exchange);
         cubecl_kernels::pick_exchanged_into(exchange, draws)?;
         Ok(())
     }

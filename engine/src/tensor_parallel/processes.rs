@@ -42,6 +42,9 @@ struct Hello {
     config: EngineConfig,
     /// [`cubecl_kernels::NcclId::to_hex`].
     nccl_id: String,
+    /// The id of the group's second communicator, for the collectives outside the step
+    /// graphs (with the vocabulary split: the sampler's exchange).
+    outside_graphs_id: Option<String>,
     rank: usize,
 }
 
@@ -75,7 +78,13 @@ fn serve() -> Result<()> {
     let hello: Hello = read_message(&mut stdin)?
         .ok_or_else(|| EngineError::Device("rank 0 left before the first message".into()))?;
     let device = hello.config.device.device()?;
-    let all_reduce = join_group(&hello.config, &hello.nccl_id, hello.rank, &device)?;
+    let all_reduce = join_group(
+        &hello.config,
+        &hello.nccl_id,
+        hello.outside_graphs_id.as_deref(),
+        hello.rank,
+        &device,
+    )?;
     let model = load_rank(
         &hello.source,
         &hello.config,
@@ -97,11 +106,13 @@ fn serve() -> Result<()> {
     )
 }
 
-/// This process's member of the group named by `nccl_id`.
+/// This process's member of the group named by `nccl_id` (and of its second communicator,
+/// `outside_graphs_id`, joined after it as every rank does).
 #[cfg(feature = "cuda")]
 fn join_group(
     config: &EngineConfig,
     nccl_id: &str,
+    outside_graphs_id: Option<&str>,
     rank: usize,
     device: &burn::tensor::Device,
 ) -> Result<Arc<dyn AllReduce>> {
@@ -114,10 +125,19 @@ fn join_group(
             ),
         ));
     };
+    let size = config.tensor_parallel_size;
     let id = cubecl_kernels::NcclId::from_hex(nccl_id)?;
-    let comm = cubecl_kernels::NcclComm::join(id, rank, config.tensor_parallel_size, index)?;
+    let comm = cubecl_kernels::NcclComm::join(id, rank, size, index)?;
+    let outside_graphs = match outside_graphs_id {
+        Some(hex) => {
+            let id = cubecl_kernels::NcclId::from_hex(hex)?;
+            Some(cubecl_kernels::NcclComm::join(id, rank, size, index)?)
+        }
+        None => None,
+    };
     Ok(Arc::new(model_qwen2::NcclAllReduce {
         comm,
+        outside_graphs,
         device: device.clone(),
     }))
 }
@@ -126,6 +146,7 @@ fn join_group(
 fn join_group(
     _: &EngineConfig,
     _: &str,
+    _: Option<&str>,
     _: usize,
     _: &burn::tensor::Device,
 ) -> Result<Arc<dyn AllReduce>> {
@@ -146,6 +167,12 @@ pub(crate) fn spawn(
 ) -> Result<(Arc<dyn AllReduce>, Workers)> {
     let size = config.tensor_parallel_size;
     let id = cubecl_kernels::NcclId::new()?;
+    // With the vocabulary split, the sampler's exchange runs outside the step graphs every
+    // step: on a communicator of its own.
+    let outside_graphs_id = match config.vocab_parallel {
+        true => Some(cubecl_kernels::NcclId::new()?),
+        false => None,
+    };
     let exe = std::env::current_exe()
         .map_err(|e| EngineError::Device(format!("tensor parallelism: this executable: {e}")))?;
     let visible: Option<Vec<String>> = std::env::var("CUDA_VISIBLE_DEVICES")
@@ -182,6 +209,7 @@ pub(crate) fn spawn(
                 ..config.clone()
             },
             nccl_id: id.to_hex(),
+            outside_graphs_id: outside_graphs_id.as_ref().map(|id| id.to_hex()),
             rank,
         };
         write_message(&mut stdin, &hello)
@@ -189,8 +217,13 @@ pub(crate) fn spawn(
         workers.push((rank, child, stdin));
     }
     let comm = cubecl_kernels::NcclComm::join(id, 0, size, index)?;
+    let outside_graphs = match outside_graphs_id {
+        Some(id) => Some(cubecl_kernels::NcclComm::join(id, 0, size, index)?),
+        None => None,
+    };
     let all_reduce: Arc<dyn AllReduce> = Arc::new(model_qwen2::NcclAllReduce {
         comm,
+        outside_graphs,
         device: device.clone(),
     });
     for (rank, child, stdin) in workers {
