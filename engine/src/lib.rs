@@ -35,6 +35,7 @@ pub mod engine;
 pub mod error;
 mod generation_config;
 mod graph_inputs;
+mod knobs;
 pub mod memory;
 pub mod model_runner;
 pub mod output;

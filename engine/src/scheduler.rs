@@ -352,7 +352,7 @@ impl Scheduler {
             }
         }
         self.free_after_last = self.free_places();
-        if !arrival_order() {
+        if !crate::knobs::Knobs::get().arrival_order {
             // Longest contexts first. The decode kernels launch one cube per (kv head, row) in
             // row order and the device deals a launch's cubes out over its multiprocessors in
             // turn, so in this order every multiprocessor gets a share of the long and the short
@@ -499,12 +499,4 @@ impl Scheduler {
         seq.status = SequenceStatus::Finished;
         seq.finish_reason = Some(reason);
     }
-}
-
-/// `BURN_NANOVLLM_DECODE_ORDER=arrival` (benchmarks): decode rows in arrival order instead of
-/// longest context first.
-fn arrival_order() -> bool {
-    static ARRIVAL: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
-    *ARRIVAL
-        .get_or_init(|| std::env::var("BURN_NANOVLLM_DECODE_ORDER").is_ok_and(|v| v == "arrival"))
 }

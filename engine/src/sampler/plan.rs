@@ -2,7 +2,6 @@
 //! enqueues over its own logits, and the token masks of structured outputs it carries.
 
 use std::ops::Range;
-use std::sync::OnceLock;
 
 use burn::tensor::{Int, Tensor, TensorData};
 use cubecl_kernels::{SamplingRow, VocabShard};
@@ -11,6 +10,7 @@ use model_qwen2::{Parallel, Qwen2Model};
 use super::penalties::Penalties;
 use super::rows::SamplerRow;
 use crate::error::{EngineError, Result};
+use crate::knobs::Knobs;
 
 /// The device part of a step's sampling as plain data: penalties and bans, token masks and
 /// each row's draw. Rank 0 builds it from its requests; every tensor-parallel rank enqueues it
@@ -48,13 +48,6 @@ impl LogitsShard {
             tokens: model.vocab.clone(),
         })
     }
-}
-
-/// `BURN_NANOVLLM_TP_LOGITS=gather` (benchmarks): tensor-parallel ranks gather every step's
-/// logits instead of exchanging each shard's draw.
-fn always_gather() -> bool {
-    static GATHER: OnceLock<bool> = OnceLock::new();
-    *GATHER.get_or_init(|| std::env::var("BURN_NANOVLLM_TP_LOGITS").is_ok_and(|v| v == "gather"))
 }
 
 impl SamplePlan {
@@ -100,7 +93,7 @@ impl SamplePlan {
     ) -> Result<Option<Tensor<2>>> {
         let whole = match shard {
             None => logits,
-            Some(s) if self.whole_rows || always_gather() => {
+            Some(s) if self.whole_rows || Knobs::get().gather_logits => {
                 s.parallel.gather_vocab(logits, s.tokens.start, self.vocab)
             }
             Some(s) => {

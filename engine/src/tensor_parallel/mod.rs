@@ -140,7 +140,7 @@ pub(crate) trait Link: Send {
     /// The worker's rank.
     fn rank(&self) -> usize;
     /// How far the worker got.
-    fn progress(&self) -> Arc<Progress>;
+    fn progress(&self) -> &Arc<Progress>;
     /// What ends the worker when the watchdog finds it hung (`reason`), if anything can.
     fn stopper(&self) -> Box<dyn Fn(&str) + Send>;
 }
@@ -170,8 +170,7 @@ impl Workers {
             .iter_mut()
             .find(|l| l.rank() == rank)
             .ok_or_else(|| EngineError::Device(format!("no tensor-parallel rank {rank}")))?;
-        link.progress().sent.fetch_add(1, Ordering::AcqRel);
-        link.send(&Outgoing::new(&ToWorker::Stall(duration)))
+        send_step(link, &Outgoing::new(&ToWorker::Stall(duration)))
     }
 
     /// Sends the step's sequences to every worker (before rank 0 enqueues its own forward).
@@ -193,11 +192,16 @@ impl Workers {
 
     fn send(&mut self, message: &ToWorker) -> Result<()> {
         let outgoing = Outgoing::new(message);
-        self.links.iter_mut().try_for_each(|l| {
-            l.progress().sent.fetch_add(1, Ordering::AcqRel);
-            l.send(&outgoing)
-        })
+        self.links
+            .iter_mut()
+            .try_for_each(|l| send_step(l, &outgoing))
     }
+}
+
+/// Sends a step message to one worker, counted for the watchdog.
+fn send_step(link: &mut Box<dyn Link>, message: &Outgoing<'_>) -> Result<()> {
+    link.progress().sent.fetch_add(1, Ordering::AcqRel);
+    link.send(message)
 }
 
 impl Drop for Workers {

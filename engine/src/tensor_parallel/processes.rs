@@ -346,8 +346,8 @@ impl Link for ProcessLink {
         self.rank
     }
 
-    fn progress(&self) -> Arc<Progress> {
-        self.progress.clone()
+    fn progress(&self) -> &Arc<Progress> {
+        &self.progress
     }
 
     fn stopper(&self) -> Box<dyn Fn(&str) + Send> {

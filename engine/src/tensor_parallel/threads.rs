@@ -51,8 +51,8 @@ impl Link for ThreadLink {
         self.rank
     }
 
-    fn progress(&self) -> Arc<Progress> {
-        self.progress.clone()
+    fn progress(&self) -> &Arc<Progress> {
+        &self.progress
     }
 
     fn stopper(&self) -> Box<dyn Fn(&str) + Send> {

@@ -35,7 +35,7 @@ pub(super) fn spawn(
         .iter()
         .map(|l| Watched {
             rank: l.rank(),
-            progress: l.progress(),
+            progress: l.progress().clone(),
             stop: l.stopper(),
             behind_since: None,
         })
