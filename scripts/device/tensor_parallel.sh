@@ -3,7 +3,8 @@
 # tensor parallelism. One binary travels per call (each is ~40 MB of the 64 MiB tree):
 #   tensor_parallel.sh check   (dist/burn-nanovllm.xz, models/tiny-english): greedy outputs of
 #       the default model at TP 1, 2 (and 4 where 4 GPUs are seen; each with the whole LM head
-#       and with --vocab-parallel), f32 and bf16, through `generate`, compared with TP 1's.
+#       and with --vocab-parallel), f32 and bf16 ($DTYPES picks), through `generate`, compared
+#       with TP 1's.
 #   tensor_parallel.sh bench MODEL...   (dist-b/benches.xz): bench.py (`nano`) and one request
 #       of 512 + 128 tokens (`latency`) on random weights of each model's config at TP 1, 2
 #       (and 4), both engines in one process (which must then exit).
@@ -38,7 +39,7 @@ case "$mode" in
     prompts=(--prompt "Once upon a time" --prompt "The little dog" --prompt "She opened the door and")
     runs="1"
     for tp in $sizes; do [ "$tp" != 1 ] && runs="$runs $tp ${tp}v"; done
-    for dtype in f32 bf16; do
+    for dtype in ${DTYPES:-f32 bf16}; do
       for run in $runs; do
         tp=${run%v}
         extra=()
