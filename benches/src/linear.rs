@@ -140,8 +140,9 @@ pub fn run(
             } else {
                 f64::NAN
             };
-            let route = cubecl_kernels::linear_route(&x, s.n)
-                .map_or_else(|| "reference".to_string(), |r| format!("{r:?}"));
+            let route =
+                cubecl_kernels::linear_route(&x, s.n, cubecl_kernels::ReductionOrder::Fastest)
+                    .map_or_else(|| "reference".to_string(), |r| format!("{r:?}"));
             let calls = ((1usize << 30) / (m * s.n * dtype.size())).clamp(1, 10);
             let reps = if m * s.k * s.n > 1 << 32 { 5 } else { 15 };
             let t_ours = graph_us(device, calls, reps, ours);

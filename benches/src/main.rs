@@ -114,6 +114,9 @@ struct Cli {
     /// rows.
     #[arg(long)]
     vocab_parallel: bool,
+    /// Engine suites: batch-invariant inference (one reduction order per row).
+    #[arg(long)]
+    batch_invariant: bool,
     /// Engine suites: sequences of the nano workload.
     #[arg(long, default_value_t = 256)]
     num_seqs: usize,
@@ -371,6 +374,7 @@ fn main() -> Result<()> {
                 gpu_timeline: cli.gpu_timeline,
                 tensor_parallel_size: cli.tensor_parallel_size,
                 vocab_parallel: cli.vocab_parallel,
+                batch_invariant: cli.batch_invariant,
                 cuda_graph_sizes: (!cli.graph_sizes.is_empty()).then(|| cli.graph_sizes.clone()),
                 num_kv_blocks: cli.num_kv_blocks,
                 record_steps: true,

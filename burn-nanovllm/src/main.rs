@@ -99,6 +99,10 @@ struct EngineArgs {
     /// memory per GPU; see docs/BENCHMARKS.md for its speed).
     #[arg(long)]
     vocab_parallel: bool,
+    /// Batch-invariant inference: a request's tokens do not depend on what else runs with it
+    /// (one reduction order per row, at some cost in speed).
+    #[arg(long)]
+    batch_invariant: bool,
 }
 
 /// Sampling options (vLLM's names); unset ones come from the model's generation_config.json.
@@ -324,6 +328,7 @@ fn engine_config(model: &ModelArgs, e: &EngineArgs) -> EngineConfig {
         enable_prefix_caching: !e.no_prefix_caching,
         tensor_parallel_size: e.tensor_parallel_size,
         vocab_parallel: e.vocab_parallel,
+        batch_invariant: e.batch_invariant,
         ..EngineConfig::default()
     }
 }

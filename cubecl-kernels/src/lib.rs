@@ -63,6 +63,7 @@ mod gpu_timeline;
 mod host_upload;
 mod host_write;
 mod knobs;
+mod reduction_order;
 pub mod rms_norm_linear;
 pub mod row_scale;
 pub mod sampling;
@@ -70,7 +71,8 @@ pub mod silu_mul;
 
 pub use attention::{
     AttentionMetadata, DecodeTensors, LayerKvCache, MetadataTensors, PrefillTensors, QkNorm, Rope,
-    TileCache, paged_attention, prefill_tile_rows, prefill_tiles, rope_store_kv, store_kv,
+    TileCache, paged_attention, paged_attention_ordered, prefill_tile_rows, prefill_tiles,
+    rope_store_kv, store_kv,
 };
 #[cfg(feature = "cuda")]
 pub use collective::{
@@ -84,9 +86,11 @@ pub use error::KernelError;
 pub use gpu_timeline::{GpuMark, MarkSlot, mark_stream};
 pub use host_upload::UploadBuffer;
 pub use host_write::{HostInts, scatter_ints, write_ints};
+pub use reduction_order::ReductionOrder;
 pub use rms_norm_linear::{
     FusedRmsNormLinear, LinearRoute, add_rms_norm_linear, check_args, linear, linear_add,
-    linear_route, rms_norm, rms_norm_linear, set_linear_tuning,
+    linear_add_ordered, linear_ordered, linear_route, rms_norm, rms_norm_linear,
+    rms_norm_linear_ordered, set_linear_tuning,
 };
 #[cfg(feature = "cuda")]
 pub use rms_norm_linear::{cublas_stream_ordered, cublas_unavailable_reason};

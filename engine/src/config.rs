@@ -82,6 +82,14 @@ pub struct EngineConfig {
     /// of a step, which waits for its device when the device falls behind) before rank 0
     /// declares it hung, ends it and fails the engine naming it.
     pub tensor_parallel_step_timeout: std::time::Duration,
+    /// Batch-invariant inference: a request's logits (and so its tokens) do not depend on the
+    /// other requests of its steps. Every product keeps one reduction order whatever the number
+    /// of rows (one cuBLASLt algorithm per weight shape, no split-K; the FMA-tiled kernel
+    /// elsewhere) and decode attention splits each context by its own length alone
+    /// ([`cubecl_kernels::ReductionOrder::BatchInvariant`]); decode rows take the prefill
+    /// kernel, so that a token recomputed after a preemption equals its first computation, and
+    /// steps run eagerly (no step graphs). Costs speed (`docs/BENCHMARKS.md`).
+    pub batch_invariant: bool,
 }
 
 impl Default for EngineConfig {
@@ -104,6 +112,7 @@ impl Default for EngineConfig {
             tensor_parallel_size: 1,
             vocab_parallel: false,
             tensor_parallel_step_timeout: std::time::Duration::from_secs(120),
+            batch_invariant: false,
             enable_prefix_caching: true,
             seed: 0,
             record_steps: false,
@@ -172,11 +181,12 @@ impl EngineConfig {
         }
     }
 
-    /// The step-graph token counts: none with `enforce_eager`, none off CUDA unless
-    /// `emulate_graphs`, else `cuda_graph_sizes` or the default for the batch limits.
+    /// The step-graph token counts: none with `enforce_eager` or `batch_invariant` (the
+    /// graphs' decode rows take the decode kernel), none off CUDA unless `emulate_graphs`, else
+    /// `cuda_graph_sizes` or the default for the batch limits.
     pub fn graph_sizes(&self) -> Vec<usize> {
         let graphs = matches!(self.device, DeviceKind::Cuda(_)) || self.emulate_graphs;
-        if self.enforce_eager || !graphs {
+        if self.enforce_eager || self.batch_invariant || !graphs {
             return Vec::new();
         }
         match &self.cuda_graph_sizes {
@@ -209,6 +219,14 @@ impl EngineConfig {
                      needs a token)",
                     self.max_num_batched_tokens
                 ),
+            ));
+        }
+        if self.batch_invariant && self.device == DeviceKind::Cpu {
+            return Err(c(
+                "batch_invariant",
+                "needs a CubeCL device (cubecl-cpu or cuda): Burn's CPU backend's matrix \
+                 products change their blocking with the number of rows"
+                    .to_string(),
             ));
         }
         if !(1..=1024).contains(&self.block_size) {

@@ -9,7 +9,7 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use burn::tensor::{DType, Device, Int, Tensor, TensorData};
-use cubecl_kernels::{AttentionMetadata, DeviceKind};
+use cubecl_kernels::{AttentionMetadata, DeviceKind, ReductionOrder};
 use model_qwen2::{KvCache, LogitsRows, Qwen2Model};
 
 use crate::cuda_graph::{GraphCapture, GraphTimings, StepGraphs};
@@ -212,7 +212,12 @@ impl ModelRunner {
                 sample_rows.push(ids.len() as i64 - 1);
             }
         }
-        let meta = AttentionMetadata::new(
+        // Batch-invariant steps take the prefill kernel for decode rows too (EngineConfig).
+        let layout = match self.model.reduction_order() {
+            ReductionOrder::BatchInvariant => AttentionMetadata::prefill_only,
+            ReductionOrder::Fastest => AttentionMetadata::new,
+        };
+        let meta = layout(
             seqs.iter().map(|s| s.num_new_tokens()).collect(),
             seqs.iter()
                 .map(|s| s.num_computed_tokens + s.num_new_tokens())

@@ -65,11 +65,14 @@ pub(crate) struct StartUp {
 /// Starts an engine over `model` on `device` (`dir`: the checkpoint folder, for the tokenizer
 /// and `generation_config.json`).
 pub(crate) fn start(
-    model: Qwen2Model,
+    mut model: Qwen2Model,
     dir: Option<&Path>,
     device: Device,
     mut config: EngineConfig,
 ) -> Result<StartUp> {
+    if config.batch_invariant {
+        model.set_reduction_order(cubecl_kernels::ReductionOrder::BatchInvariant);
+    }
     // The device's default batch limit is read once (the pool may lower it below), then the
     // options are checked with it.
     let default_seqs = config.max_num_seqs.is_none();

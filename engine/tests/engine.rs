@@ -3,6 +3,7 @@
 //! transformers goldens of the tiny fixtures and of the trained default model. One test binary (modules below) for link time.
 
 mod engine {
+    mod batch_invariance;
     mod block_manager;
     pub mod common;
     mod cpu_targets;

@@ -5,7 +5,7 @@ use std::path::Path;
 
 use burn::module::{Module, Param};
 use burn::tensor::{DType, Device, Distribution, FloatDType, Int, Tensor, TensorData};
-use cubecl_kernels::AttentionMetadata;
+use cubecl_kernels::{AttentionMetadata, ReductionOrder};
 
 use crate::config::Qwen2Config;
 use crate::error::{ModelError, Result};
@@ -359,6 +359,24 @@ impl Qwen2Model {
     pub fn vocab_split(&self) -> Option<&Parallel> {
         self.parallel()
             .filter(|_| self.vocab.len() < self.config.vocab_size)
+    }
+
+    /// Sets how every product of the model (and its attention) reduces: with
+    /// [`ReductionOrder::BatchInvariant`] a token's logits do not depend on the other rows of
+    /// its step ([`cubecl_kernels::ReductionOrder`]).
+    pub fn set_reduction_order(&mut self, order: ReductionOrder) {
+        for layer in &mut self.layers {
+            layer.self_attn.qkv_proj.order = order;
+            layer.self_attn.o_proj.order = order;
+            layer.mlp.gate_up_proj.order = order;
+            layer.mlp.down_proj.order = order;
+        }
+        self.lm_head.order = order;
+    }
+
+    /// How the model's products reduce ([`Self::set_reduction_order`]).
+    pub fn reduction_order(&self) -> ReductionOrder {
+        self.lm_head.order
     }
 
     /// The compute dtype of the weights.

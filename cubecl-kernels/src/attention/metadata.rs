@@ -185,6 +185,45 @@ impl AttentionMetadata {
         block_size: usize,
         device: &Device,
     ) -> Result<Self, KernelError> {
+        Self::build(
+            query_lens,
+            context_lens,
+            block_tables,
+            block_size,
+            device,
+            true,
+        )
+    }
+
+    /// [`Self::new`] with every sequence taking the prefill kernel, one-token ones included:
+    /// the decode kernel reduces in another order than the prefill kernel, so a
+    /// batch-invariant step (whose decode rows must equal the same tokens recomputed in a
+    /// prefill chunk after a preemption) takes this layout.
+    pub fn prefill_only(
+        query_lens: Vec<usize>,
+        context_lens: Vec<usize>,
+        block_tables: Vec<Vec<u32>>,
+        block_size: usize,
+        device: &Device,
+    ) -> Result<Self, KernelError> {
+        Self::build(
+            query_lens,
+            context_lens,
+            block_tables,
+            block_size,
+            device,
+            false,
+        )
+    }
+
+    fn build(
+        query_lens: Vec<usize>,
+        context_lens: Vec<usize>,
+        block_tables: Vec<Vec<u32>>,
+        block_size: usize,
+        device: &Device,
+        decode_rows: bool,
+    ) -> Result<Self, KernelError> {
         let batch = query_lens.len();
         if batch == 0 {
             return Err(KernelError::invalid("attention metadata: empty batch"));
@@ -222,7 +261,10 @@ impl AttentionMetadata {
                 );
             }
         }
-        let num_decodes = query_lens.iter().take_while(|&&q| q == 1).count();
+        let num_decodes = match decode_rows {
+            true => query_lens.iter().take_while(|&&q| q == 1).count(),
+            false => 0,
+        };
         let max_blocks = block_tables.iter().map(Vec::len).max().unwrap_or(0).max(1);
         let tensors = MetadataTensors {
             slot_mapping: int_tensor(slot_mapping.iter().map(|&v| v as i32).collect(), device),
@@ -242,7 +284,7 @@ impl AttentionMetadata {
                 )
             }),
         };
-        Ok(Self::from_parts(
+        let mut meta = Self::from_parts(
             query_lens,
             context_lens,
             block_tables,
@@ -250,7 +292,9 @@ impl AttentionMetadata {
             slot_mapping,
             positions,
             tensors,
-        ))
+        );
+        meta.num_decodes = num_decodes;
+        Ok(meta)
     }
 
     /// Assembles metadata from host copies and device tensors that already hold the same

@@ -55,6 +55,8 @@ pub struct AttentionPlan {
     pub decode_context_bound: Option<usize>,
     /// With prefill chunks: queries per tile of the tile list. `None`: no prefill part.
     pub prefill_tile_rows: Option<usize>,
+    /// Decode splits from each row's own context only ([`crate::ReductionOrder::BatchInvariant`]).
+    pub batch_invariant: bool,
 }
 
 /// Qwen3's per-head RMSNorm of queries and keys (weights `[head_dim]`).
@@ -251,6 +253,18 @@ pub fn paged_attention(
     meta: &AttentionMetadata,
     scale: f32,
 ) -> Tensor<3> {
+    paged_attention_ordered(q, cache, meta, scale, crate::ReductionOrder::Fastest)
+}
+
+/// [`paged_attention`] in `order`: with [`crate::ReductionOrder::BatchInvariant`] the decode
+/// rows' contexts are split by their own lengths alone, not by the batch's size.
+pub fn paged_attention_ordered(
+    q: Tensor<3>,
+    cache: &LayerKvCache,
+    meta: &AttentionMetadata,
+    scale: f32,
+    order: crate::ReductionOrder,
+) -> Tensor<3> {
     let [t, heads, d] = q.dims();
     let check = || -> Result<(), KernelError> {
         let kv_heads = cache.kv_heads();
@@ -280,6 +294,7 @@ pub fn paged_attention(
         scale,
         decode_context_bound: decode.map(|_| meta.context_bound),
         prefill_tile_rows: tile_rows,
+        batch_invariant: order == crate::ReductionOrder::BatchInvariant,
     };
     // Absent parts get placeholders (never read).
     let placeholder = || meta.tensors.slot_mapping.clone().into_dispatch();

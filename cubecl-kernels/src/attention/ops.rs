@@ -153,6 +153,7 @@ impl AttentionOps for CubeBackend {
                 decode_context,
                 bound,
                 plan.scale,
+                plan.batch_invariant,
             );
         }
         if let Some(rows) = plan.prefill_tile_rows {

@@ -65,6 +65,14 @@ const TUNE_CANDIDATES: usize = 8;
 /// Timed runs of each candidate.
 const TUNE_RUNS: usize = 5;
 
+/// Rows of the shape whose heuristic pick a batch-invariant product keeps for every `M` of its
+/// weight (decode and prefill sizes alike).
+const INVARIANT_REFERENCE_ROWS: u64 = 256;
+
+/// Address alignment, bytes, a batch-invariant product's algorithm is chosen for (whatever the
+/// call's own pointers allow: the choice must not change with them).
+const INVARIANT_ALIGNMENT: u32 = 16;
+
 /// cuBLAS's `CUBLAS_OP_T` (the cuBLASLt bindings do not carry `cublasOperation_t`).
 const CUBLAS_OP_T: i32 = 1;
 
@@ -80,6 +88,8 @@ struct PlanKey {
     align: [usize; 4],
     dtype: DType,
     bias: bool,
+    /// One algorithm for every `M` of this weight, without split-K (batch-invariant).
+    invariant: bool,
 }
 
 /// The descriptors and chosen algorithm of one shape.
@@ -178,9 +188,12 @@ enum Failure {
 
 /// Writes `y = x · wᵀ (+ bias) (+ add)` on CUDA device `index`. `x [M, K]`, `w [N, K]`,
 /// `y [M, N]`, `add [M, N]` of one dtype (f32, f16 or bf16) with unit inner strides, `bias [N]`.
-/// On failure nothing was enqueued and the error is returned, so that the caller can take
-/// another path; a failure of cuBLASLt itself also marks the device unusable (with the reason,
-/// printed once).
+/// `invariant`: the algorithm is the one chosen for this weight at
+/// [`INVARIANT_REFERENCE_ROWS`] rows, without split-K and never timed, whatever `M`
+/// ([`crate::ReductionOrder::BatchInvariant`]). On failure nothing was enqueued and the error is
+/// returned, so that the caller can take another path; a failure of cuBLASLt itself also marks
+/// the device unusable (with the reason, printed once).
+#[allow(clippy::too_many_arguments)]
 pub(crate) fn gemm(
     index: usize,
     x: &CubeTensor,
@@ -188,8 +201,9 @@ pub(crate) fn gemm(
     bias: Option<&CubeTensor>,
     add: Option<&CubeTensor>,
     y: &CubeTensor,
+    invariant: bool,
 ) -> Result<(), String> {
-    match enqueue(index, x, w, bias, add, y) {
+    match enqueue(index, x, w, bias, add, y, invariant) {
         Ok(()) => Ok(()),
         Err(Failure::Transient(reason)) => Err(reason),
         Err(Failure::Fatal(reason)) => {
@@ -211,6 +225,7 @@ fn enqueue(
     bias: Option<&CubeTensor>,
     add: Option<&CubeTensor>,
     y: &CubeTensor,
+    invariant: bool,
 ) -> Result<(), Failure> {
     let (m, k) = (x.meta.shape()[0], x.meta.shape()[1]);
     let n = w.meta.shape()[0];
@@ -274,6 +289,7 @@ fn enqueue(
         }),
         dtype,
         bias: bias.is_some(),
+        invariant,
     };
 
     let workspace = workspace(index, stream, y).map_err(Failure::Transient)?;
@@ -600,13 +616,46 @@ impl Plan {
             }
             let pref = lt::create_matmul_pref().map_err(|e| err("preference", &e))?;
             use sys::cublasLtMatmulPreferenceAttributes_t as P;
-            let [align_x, align_w, align_y, align_c] = key.align.map(|a| a as u32);
+            let [align_x, align_w, align_y, align_c] = if key.invariant {
+                [INVARIANT_ALIGNMENT; 4]
+            } else {
+                key.align.map(|a| a as u32)
+            };
             let align_c = if plan.c.is_some() { align_c } else { align_y };
+            // A batch-invariant product asks about the reference shape, with no reduction
+            // scheme (no split-K), and keeps the first answer for every M.
+            let reference = if key.invariant {
+                let rows = INVARIANT_REFERENCE_ROWS;
+                Some((
+                    layout(k, rows, ldx)?,
+                    layout(n, rows, ldy)?,
+                    if ldc > 0 {
+                        Some(layout(n, rows, ldc)?)
+                    } else {
+                        None
+                    },
+                ))
+            } else {
+                None
+            };
+            let (b, d, c) = match reference {
+                Some((b, d, c)) => (b, d, c.unwrap_or(d)),
+                None => (plan.b, plan.d, plan.c.unwrap_or(plan.d)),
+            };
             let heuristic = set_pref(
                 pref,
                 P::CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES,
                 &(WORKSPACE_BYTES as u64),
             )
+            .and_then(|()| {
+                if key.invariant {
+                    let none =
+                        sys::cublasLtReductionScheme_t::CUBLASLT_REDUCTION_SCHEME_NONE as u32;
+                    set_pref(pref, P::CUBLASLT_MATMUL_PREF_REDUCTION_SCHEME_MASK, &none)
+                } else {
+                    Ok(())
+                }
+            })
             .and_then(|()| {
                 set_pref(
                     pref,
@@ -636,19 +685,19 @@ impl Plan {
                 )
             })
             .and_then(|()| {
-                let c = plan.c.unwrap_or(plan.d);
+                let wanted = if key.invariant { 1 } else { TUNE_CANDIDATES };
                 let mut found: Vec<sys::cublasLtMatmulHeuristicResult_t> =
-                    vec![std::mem::zeroed(); TUNE_CANDIDATES];
+                    vec![std::mem::zeroed(); wanted];
                 let mut count = 0;
                 sys::cublasLtMatmulAlgoGetHeuristic(
                     handle,
                     desc,
                     plan.a,
-                    plan.b,
+                    b,
                     c,
-                    plan.d,
+                    d,
                     pref,
-                    TUNE_CANDIDATES as i32,
+                    wanted as i32,
                     found.as_mut_ptr(),
                     &mut count,
                 )
@@ -662,6 +711,13 @@ impl Plan {
                 found.truncate(count.max(0) as usize);
                 Ok(found)
             });
+            if let Some((b, d, c)) = reference {
+                let _ = lt::destroy_matrix_layout(b);
+                let _ = lt::destroy_matrix_layout(d);
+                if let Some(c) = c {
+                    let _ = lt::destroy_matrix_layout(c);
+                }
+            }
             let _ = lt::destroy_matmul_pref(pref);
             plan.candidates = heuristic?
                 .into_iter()
@@ -678,6 +734,36 @@ impl Plan {
                 ));
             };
             plan.algo = first;
+            if key.invariant {
+                // The reference shape's algorithm must serve this one as it is.
+                let mut check: sys::cublasLtMatmulHeuristicResult_t = std::mem::zeroed();
+                sys::cublasLtMatmulAlgoCheck(
+                    handle,
+                    desc,
+                    plan.a,
+                    plan.b,
+                    plan.c.unwrap_or(plan.d),
+                    plan.d,
+                    &plan.algo,
+                    &mut check,
+                )
+                .result()
+                .map_err(|e| {
+                    err(
+                        &format!(
+                            "the batch-invariant cuBLASLt algorithm does not serve {m}x{n}x{k} {:?}",
+                            key.dtype
+                        ),
+                        &e,
+                    )
+                })?;
+                if check.workspaceSize > WORKSPACE_BYTES {
+                    return Err(format!(
+                        "the batch-invariant cuBLASLt algorithm for {m}x{n}x{k} needs {} bytes of workspace",
+                        check.workspaceSize
+                    ));
+                }
+            }
             Ok(plan)
         }
     }

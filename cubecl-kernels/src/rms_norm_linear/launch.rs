@@ -17,6 +17,11 @@
 //!   matmul when the output alone gives too few cubes (`split_k`);
 //! - elsewhere (f32 without cuBLASLt, CPU runtimes): `linear_tiled` with FMA register tiles.
 //!
+//! [`ReductionOrder::BatchInvariant`] takes one route whatever `M`: cuBLASLt where it runs on
+//! CubeCL's stream (graphs and eager steps alike; one algorithm per weight shape, no split-K:
+//! `cublas.rs`), else `linear_tiled`; the skinny kernel only for `K < 16`, where every `M`
+//! takes it.
+//!
 //! Benchmark knobs (`knobs.rs`): `BURN_NANOVLLM_SKINNY_MAX_M` overrides the skinny bound,
 //! `BURN_NANOVLLM_SPLIT_K=0` turns the K split off, `BURN_NANOVLLM_CUBLAS=0` leaves cuBLASLt out.
 
@@ -32,6 +37,7 @@ use cubecl::zspace::metadata::Metadata;
 use super::kernel::{
     SkinnyConfig, TiledConfig, linear_skinny, linear_tiled, rms_norm_rows, rms_stats,
 };
+use crate::ReductionOrder;
 use crate::device_caps::DeviceCaps;
 use crate::knobs::Knobs;
 use crate::{unit_inner_stride, vector_size};
@@ -69,7 +75,8 @@ pub enum LinearRoute {
     Tiled,
 }
 
-/// The route for `x [M, K] · W [N, K]ᵀ` on `device`, by the rules of the module doc.
+/// The route for `x [M, K] · W [N, K]ᵀ` on `device` in `order`, by the rules of the module doc.
+#[allow(clippy::too_many_arguments)]
 pub(crate) fn route(
     m: usize,
     n: usize,
@@ -78,7 +85,17 @@ pub(crate) fn route(
     device: &cubecl::Device,
     client: &Client,
     caps: &DeviceCaps,
+    order: ReductionOrder,
 ) -> LinearRoute {
+    if order == ReductionOrder::BatchInvariant {
+        return if k < 16 {
+            LinearRoute::Skinny
+        } else if cublas_device(device, client).is_some() && cublas_on_stream() {
+            LinearRoute::CublasLt
+        } else {
+            LinearRoute::Tiled
+        };
+    }
     let cached = n * k * dtype.size() <= caps.cache_bytes.unwrap_or(CACHE_FALLBACK_BYTES) / 4;
     let cublas = cublas_device(device, client).is_some();
     let skinny = k < 16
@@ -95,6 +112,18 @@ pub(crate) fn route(
         LinearRoute::Cubek
     } else {
         LinearRoute::Tiled
+    }
+}
+
+/// Whether cuBLASLt runs on CubeCL's stream (and so inside captured graphs as in eager steps).
+fn cublas_on_stream() -> bool {
+    #[cfg(feature = "cuda")]
+    {
+        super::cublas::stream_ordered()
+    }
+    #[cfg(not(feature = "cuda"))]
+    {
+        false
     }
 }
 
@@ -123,6 +152,7 @@ pub(crate) fn fused_linear(
     bias: Option<CubeTensor>,
     add: Option<CubeTensor>,
     eps: f32,
+    order: ReductionOrder,
 ) -> (CubeTensor, CubeTensor) {
     let x = unit_inner_stride(x);
     let w = unit_inner_stride(w);
@@ -130,7 +160,7 @@ pub(crate) fn fused_linear(
     let n = w.meta.shape()[0];
     let caps = DeviceCaps::of(&x.client);
     let dtype = x.dtype;
-    let route = route(m, n, k, dtype, &x.device, &x.client, &caps);
+    let route = route(m, n, k, dtype, &x.device, &x.client, &caps, order);
     let matmul = matches!(route, LinearRoute::CublasLt | LinearRoute::Cubek);
 
     // Row statistics (and the residual sum, and for the matmul path the normalised rows) once
@@ -236,7 +266,9 @@ pub(crate) fn fused_linear(
                 || index.is_some_and(|i| {
                     let bias = bias.clone().map(unit_inner_stride);
                     let add = add.clone().map(unit_inner_stride);
-                    super::cublas::gemm(i, &lhs, &w, bias.as_ref(), add.as_ref(), &y).is_ok()
+                    let invariant = order == ReductionOrder::BatchInvariant;
+                    super::cublas::gemm(i, &lhs, &w, bias.as_ref(), add.as_ref(), &y, invariant)
+                        .is_ok()
                 })
             {
                 return (y, h);

@@ -23,7 +23,7 @@ use burn::backend::{Dispatch, DispatchDevice};
 use burn::tensor::{DType, Tensor};
 
 pub use self::ops::LinearOps;
-use crate::KernelError;
+use crate::{KernelError, ReductionOrder};
 
 /// Whether new product shapes are tuned ([`set_linear_tuning`]).
 static TUNING: AtomicBool = AtomicBool::new(false);
@@ -55,6 +55,8 @@ impl LinearOperands {
     pub const BIAS: u32 = 4;
     /// `residual` (`[M, N]`) is added to the output (exclusive with `RESIDUAL`).
     pub const ADD_OUT: u32 = 8;
+    /// [`ReductionOrder::BatchInvariant`] (not an operand: the product's route).
+    pub const BATCH_INVARIANT: u32 = 16;
 }
 
 /// RMSNorm over the last dimension (statistics in f32). `x [M, K]`, `weight [K]` → `[M, K]`.
@@ -76,6 +78,18 @@ pub fn rms_norm_linear(
     bias: Option<Tensor<1>>,
     eps: f64,
 ) -> Tensor<2> {
+    rms_norm_linear_ordered(x, norm_weight, weight, bias, eps, ReductionOrder::Fastest)
+}
+
+/// [`rms_norm_linear`] with the products' [`ReductionOrder`].
+pub fn rms_norm_linear_ordered(
+    x: Tensor<2>,
+    norm_weight: Tensor<1>,
+    weight: Tensor<2>,
+    bias: Option<Tensor<1>>,
+    eps: f64,
+    order: ReductionOrder,
+) -> Tensor<2> {
     expect_valid(
         "rms_norm_linear",
         check_args(&x, None, Some(&norm_weight), &weight, bias.as_ref()),
@@ -83,7 +97,7 @@ pub fn rms_norm_linear(
     if !crate::runs_kernels(&x) {
         return reference::rms_norm_linear(x, norm_weight, weight, bias, eps);
     }
-    dispatch(x, None, Some(norm_weight), weight, bias, eps, false).0
+    dispatch(x, None, Some(norm_weight), weight, bias, eps, false, order).0
 }
 
 /// `h = x + residual; y = rms_norm(h, norm_weight) · Wᵀ (+ b)`; returns `(y, h)`.
@@ -122,6 +136,7 @@ pub fn add_rms_norm_linear(
         bias,
         eps,
         false,
+        ReductionOrder::Fastest,
     )
 }
 
@@ -130,11 +145,21 @@ pub fn add_rms_norm_linear(
 /// # Panics
 /// On mismatched shapes or dtypes, with a message naming the operand (see [`check_args`]).
 pub fn linear(x: Tensor<2>, weight: Tensor<2>, bias: Option<Tensor<1>>) -> Tensor<2> {
+    linear_ordered(x, weight, bias, ReductionOrder::Fastest)
+}
+
+/// [`linear`] with the product's [`ReductionOrder`].
+pub fn linear_ordered(
+    x: Tensor<2>,
+    weight: Tensor<2>,
+    bias: Option<Tensor<1>>,
+    order: ReductionOrder,
+) -> Tensor<2> {
     expect_valid("linear", check_args(&x, None, None, &weight, bias.as_ref()));
     if !crate::runs_kernels(&x) {
         return reference::linear(x, weight, bias);
     }
-    dispatch(x, None, None, weight, bias, 0.0, false).0
+    dispatch(x, None, None, weight, bias, 0.0, false, order).0
 }
 
 /// `y = x · Wᵀ (+ b) + residual`: a product that also closes a residual connection (a Qwen
@@ -150,6 +175,17 @@ pub fn linear_add(
     weight: Tensor<2>,
     bias: Option<Tensor<1>>,
     residual: Tensor<2>,
+) -> Tensor<2> {
+    linear_add_ordered(x, weight, bias, residual, ReductionOrder::Fastest)
+}
+
+/// [`linear_add`] with the product's [`ReductionOrder`].
+pub fn linear_add_ordered(
+    x: Tensor<2>,
+    weight: Tensor<2>,
+    bias: Option<Tensor<1>>,
+    residual: Tensor<2>,
+    order: ReductionOrder,
 ) -> Tensor<2> {
     expect_valid(
         "linear_add",
@@ -174,12 +210,12 @@ pub fn linear_add(
     if !crate::runs_kernels(&x) {
         return reference::linear(x, weight, bias) + residual;
     }
-    dispatch(x, Some(residual), None, weight, bias, 0.0, true).0
+    dispatch(x, Some(residual), None, weight, bias, 0.0, true, order).0
 }
 
 /// The implementation [`linear`] and the fused ops take for `x [M, K]` (its device, dtype and
-/// `M`) and a weight `[N, K]`; `None` off CubeCL devices (the plain-Burn reference).
-pub fn linear_route(x: &Tensor<2>, n: usize) -> Option<LinearRoute> {
+/// `M`) and a weight `[N, K]` in `order`; `None` off CubeCL devices (the plain-Burn reference).
+pub fn linear_route(x: &Tensor<2>, n: usize, order: ReductionOrder) -> Option<LinearRoute> {
     #[allow(unreachable_patterns)]
     match x.device().as_dispatch() {
         #[cfg(any(feature = "cpu", feature = "cuda"))]
@@ -187,13 +223,23 @@ pub fn linear_route(x: &Tensor<2>, n: usize) -> Option<LinearRoute> {
             let [m, k] = x.dims();
             let client = device.client();
             let caps = crate::device_caps::DeviceCaps::of(&client);
-            Some(launch::route(m, n, k, x.dtype(), device, &client, &caps))
+            Some(launch::route(
+                m,
+                n,
+                k,
+                x.dtype(),
+                device,
+                &client,
+                &caps,
+                order,
+            ))
         }
         _ => None,
     }
 }
 
 /// `add_out`: `residual` is added to the output (`[M, N]`), not to the input.
+#[allow(clippy::too_many_arguments)]
 fn dispatch(
     x: Tensor<2>,
     residual: Option<Tensor<2>>,
@@ -202,8 +248,12 @@ fn dispatch(
     bias: Option<Tensor<1>>,
     eps: f64,
     add_out: bool,
+    order: ReductionOrder,
 ) -> (Tensor<2>, Tensor<2>) {
     let mut operands = 0;
+    if order == ReductionOrder::BatchInvariant {
+        operands |= LinearOperands::BATCH_INVARIANT;
+    }
     let residual_bit = if add_out {
         LinearOperands::ADD_OUT
     } else {

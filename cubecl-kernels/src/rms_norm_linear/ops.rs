@@ -7,6 +7,7 @@ use burn_cubecl::CubeBackend;
 
 use super::LinearOperands;
 use super::launch as linear_launch;
+use crate::ReductionOrder;
 
 /// The fused RMSNorm + linear product as a Burn backend extension (the `Fusion` wrapper is
 /// generated: each op is an opaque deferred operation on the fusion stream). Call it through this
@@ -66,6 +67,11 @@ impl LinearOps for CubeBackend {
             has(LinearOperands::BIAS).then_some(bias),
             add,
             eps,
+            if has(LinearOperands::BATCH_INVARIANT) {
+                ReductionOrder::BatchInvariant
+            } else {
+                ReductionOrder::Fastest
+            },
         )
     }
 }

@@ -63,7 +63,7 @@ pub(super) fn check(name: &str, c: &Case, bias: bool) {
     let dt = c.dtype;
     let route = {
         let x = tensor(&c.x, [c.m, c.k], dt, &kd);
-        cubecl_kernels::linear_route(&x, c.n)
+        cubecl_kernels::linear_route(&x, c.n, cubecl_kernels::ReductionOrder::Fastest)
     };
     let what = format!(
         "{name} {:?} M={} K={} N={} bias={bias} route={route:?}",
@@ -243,7 +243,8 @@ fn routes_follow_the_size_rules() {
     let cublas = on_cuda && std::env::var("BURN_NANOVLLM_CUBLAS").as_deref() != Ok("0");
     let route = |m: usize, dtype: DType| {
         let x = tensor(&vec![0.5; m * 64], [m, 64], dtype, &dev);
-        cubecl_kernels::linear_route(&x, 96).expect("a CubeCL device")
+        cubecl_kernels::linear_route(&x, 96, cubecl_kernels::ReductionOrder::Fastest)
+            .expect("a CubeCL device")
     };
     for dtype in [DType::F32, DType::BF16] {
         assert_eq!(route(1, dtype), LinearRoute::Skinny, "{dtype:?}");
@@ -259,7 +260,10 @@ fn routes_follow_the_size_rules() {
         assert_eq!(large, expected, "{dtype:?} M = 300");
     }
     let x = tensor(&[0.5; 64], [1, 64], DType::F32, &reference_device());
-    assert_eq!(cubecl_kernels::linear_route(&x, 96), None);
+    assert_eq!(
+        cubecl_kernels::linear_route(&x, 96, cubecl_kernels::ReductionOrder::Fastest),
+        None
+    );
 }
 
 #[test]

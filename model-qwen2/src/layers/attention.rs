@@ -60,7 +60,7 @@ impl Qwen2Attention {
     /// The unscaled, unbiased merged projection of the layer input `h [T, H]`:
     /// `h · (W·diag g)ᵀ` `[T, (heads + 2·kv_heads)·head_dim]` (what [`Self::attend`] takes).
     pub fn project(&self, h: Tensor<2>) -> Tensor<2> {
-        cubecl_kernels::linear(h, self.qkv_proj.weight.val(), None)
+        self.qkv_proj.product(h)
     }
 
     /// The projection's deferred RMSNorm row scale and bias, for the layer input `h`.
@@ -94,7 +94,9 @@ impl Qwen2Attention {
             cache,
         );
         let scale = 1.0 / (self.head_dim as f32).sqrt();
-        cubecl_kernels::paged_attention(q, cache, meta, scale)
+        // The layer reduces in its products' order.
+        let order = self.qkv_proj.order;
+        cubecl_kernels::paged_attention_ordered(q, cache, meta, scale, order)
             .reshape([t, self.num_heads * self.head_dim])
     }
 }

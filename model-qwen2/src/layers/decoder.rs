@@ -65,14 +65,9 @@ impl Qwen2DecoderLayer {
     /// its partial product, the others add nothing, and the sum over the ranks completes it.
     fn residual_product(&self, x: Tensor<2>, linear: &Linear, h: Tensor<2>) -> Tensor<2> {
         match &self.parallel {
-            None => cubecl_kernels::linear_add(x, linear.weight.val(), None, h),
-            Some(p) if p.rank.rank == 0 => {
-                p.all_reduce
-                    .sum(cubecl_kernels::linear_add(x, linear.weight.val(), None, h))
-            }
-            Some(p) => p
-                .all_reduce
-                .sum(cubecl_kernels::linear(x, linear.weight.val(), None)),
+            None => linear.product_add(x, h),
+            Some(p) if p.rank.rank == 0 => p.all_reduce.sum(linear.product_add(x, h)),
+            Some(p) => p.all_reduce.sum(linear.product(x)),
         }
     }
 }

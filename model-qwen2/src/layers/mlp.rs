@@ -21,7 +21,7 @@ impl Qwen2Mlp {
     /// `h [T, H]`: the unscaled merged projection, completed by the norm's row scale
     /// (epsilon `eps`) in the activation kernel.
     pub fn activation(&self, h: &Tensor<2>, eps: f64) -> Tensor<2> {
-        let gate_up = cubecl_kernels::linear(h.clone(), self.gate_up_proj.weight.val(), None);
+        let gate_up = self.gate_up_proj.product(h.clone());
         cubecl_kernels::silu_mul(
             gate_up,
             Some(RowScale {
@@ -35,6 +35,6 @@ impl Qwen2Mlp {
     /// `h + mlp(norm(h))` `[T, H]`: the block's output, the residual added in `down_proj`.
     pub fn forward_residual(&self, h: Tensor<2>, eps: f64) -> Tensor<2> {
         let act = self.activation(&h, eps);
-        cubecl_kernels::linear_add(act, self.down_proj.weight.val(), None, h)
+        self.down_proj.product_add(act, h)
     }
 }

@@ -26,14 +26,16 @@ impl RmsNorm {
         cubecl_kernels::rms_norm(x, self.weight.val(), self.eps)
     }
 
-    /// `rms_norm(x) · Wᵀ (+ b)` in one op. `x [M, dim]` → `[M, out]`.
+    /// `rms_norm(x) · Wᵀ (+ b)` in one op, in `linear`'s reduction order. `x [M, dim]` →
+    /// `[M, out]`.
     pub fn forward_linear(&self, x: Tensor<2>, linear: &Linear) -> Tensor<2> {
-        cubecl_kernels::rms_norm_linear(
+        cubecl_kernels::rms_norm_linear_ordered(
             x,
             self.weight.val(),
             linear.weight.val(),
             linear.bias.as_ref().map(Param::val),
             self.eps,
+            linear.order,
         )
     }
 }

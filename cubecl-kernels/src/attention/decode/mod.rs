@@ -26,7 +26,9 @@
 //! fills the device alone is not split: pieces of at least 1,024 keys for its long contexts
 //! (`BURN_NANOVLLM_DECODE_SPLIT_KEYS`, so that one long sequence among short ones would not set
 //! the launch's time) measured 1–2 % slower end to end and 5 % at 256 × 16k on the H100
-//! (docs/BENCHMARKS.md).
+//! (docs/BENCHMARKS.md). Batch-invariant launches (`AttentionMetadata::batch_invariant`) cut
+//! every context by its own length alone (pieces of 512 keys, at most 16), so that a row's
+//! result does not depend on the batch it is in.
 
 mod mma_group;
 mod row_split;
@@ -44,6 +46,14 @@ const WIDE_GROUP: usize = 4;
 
 /// Planes (key streams) per cube of the tensor-core kernel.
 const MMA_PLANES: usize = 4;
+
+/// Keys per piece of a batch-invariant decode launch (rounded up to the kernel's key step):
+/// a context is cut by its own length alone, into `clamp(ceil(ctx / keys), 1,
+/// INVARIANT_MAX_SPLITS)` pieces.
+const INVARIANT_SPLIT_KEYS: usize = 512;
+
+/// Most pieces of a context in a batch-invariant decode launch (the grid's z extent).
+const INVARIANT_MAX_SPLITS: usize = 16;
 
 /// Most context splits of one (sequence, kv head); the combine walks them serially.
 const MAX_SPLITS: usize = 64;
@@ -252,6 +262,7 @@ pub(crate) fn paged_decode(
     context_lens: CubeTensor,
     max_context: usize,
     scale: f32,
+    batch_invariant: bool,
 ) {
     let caps = DeviceCaps::of(&launch.q.client);
     let super::AttentionLaunch {
@@ -318,6 +329,11 @@ pub(crate) fn paged_decode(
     let chunks = max_context.div_ceil(step).max(1);
     let fill = target.div_ceil(cubes).min(chunks).clamp(1, MAX_SPLITS);
     let (splits, min_keys) = match crate::knobs::Knobs::get().decode_split_keys {
+        // Pieces from each row's own context: the same whatever the batch and its bound.
+        _ if batch_invariant => (
+            INVARIANT_MAX_SPLITS,
+            INVARIANT_SPLIT_KEYS.next_multiple_of(step),
+        ),
         // The batch (nearly) fills the device alone: one piece per sequence, unless the knob
         // asks for pieces of at least `keys` (module doc).
         Some(keys) if fill <= 2 && keys > 0 => {

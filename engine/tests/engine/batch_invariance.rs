@@ -1,0 +1,186 @@
+//! Batch-invariant inference (`EngineConfig::batch_invariant`): one probe request's tokens and
+//! log-probabilities, compared bit for bit, alone and in a batch of 64 requests (its steps mixing
+//! decode rows and prefill chunks), preempted and recomputed, and after a prefix-cache hit. The
+//! model is the fixture with the real Qwen2 vocabulary, the device CubeCL's CPU runtime. Burn's
+//! CPU backend (plain-Burn products, whose blocking follows the number of rows) refuses the
+//! mode.
+
+use engine::{DeviceKind, EngineConfig, LLMEngine, SamplingParams};
+
+use super::common::{Finished, drain, fixture, greedy};
+
+const MODEL: &str = "qwen2-tiny-tied";
+
+/// Generated tokens of the probe.
+const PROBE_TOKENS: usize = 24;
+
+/// The probe's prompt: 45 ids of the vocabulary (three KV blocks of 16, the last one partial).
+fn probe_prompt() -> Vec<u32> {
+    (0..45u32).map(|i| 100 + (i * 7919) % 20_000).collect()
+}
+
+/// Prompt `i` of the other requests: 5 to 124 ids.
+fn other_prompt(i: u32) -> Vec<u32> {
+    let len = 5 + (i * 37) % 120;
+    (0..len)
+        .map(|j| 300 + (i * 131 + j * 17) % 30_000)
+        .collect()
+}
+
+fn probe_params() -> SamplingParams {
+    SamplingParams {
+        logprobs: Some(5),
+        ..greedy(PROBE_TOKENS)
+    }
+}
+
+/// An f32 engine with room for 64 sequences and small steps (prefill chunks of at most 64
+/// tokens, mixed with decode rows); `blocks` KV blocks of 16.
+fn engine(device: DeviceKind, batch_invariant: bool, blocks: usize) -> LLMEngine {
+    let config = EngineConfig {
+        device,
+        dtype: Some(burn::tensor::DType::F32),
+        max_num_seqs: Some(64),
+        max_num_batched_tokens: 64,
+        num_kv_blocks: Some(blocks),
+        max_model_len: Some(256),
+        batch_invariant,
+        ..EngineConfig::default()
+    };
+    LLMEngine::new(fixture(MODEL), config).unwrap()
+}
+
+/// What must not change: each generated token with the bits of its log-probability and of
+/// its top 5.
+type Trace = Vec<(u32, u32, Vec<(u32, u32)>)>;
+
+fn trace(done: &Finished) -> Trace {
+    let logprobs: Vec<_> = done
+        .outputs
+        .iter()
+        .flat_map(|o| o.new_logprobs.iter())
+        .collect();
+    assert_eq!(
+        logprobs.len(),
+        PROBE_TOKENS,
+        "one entry per generated token"
+    );
+    logprobs
+        .into_iter()
+        .map(|l| {
+            let top = l.top.iter().map(|&(t, p)| (t, p.to_bits())).collect();
+            (l.token_id, l.logprob.to_bits(), top)
+        })
+        .collect()
+}
+
+/// The probe alone.
+fn alone(device: DeviceKind, batch_invariant: bool) -> Trace {
+    let mut e = engine(device, batch_invariant, 1024);
+    let id = e.add_request(probe_prompt(), probe_params()).unwrap();
+    trace(&drain(&mut e, &[id])[0])
+}
+
+/// The probe added 20th of 64 requests of mixed lengths (4 to 33 tokens each).
+fn in_batch(device: DeviceKind, batch_invariant: bool) -> Trace {
+    let mut e = engine(device, batch_invariant, 1024);
+    let mut ids = Vec::new();
+    let mut probe = None;
+    for i in 0..63u32 {
+        if i == 20 {
+            probe = Some(e.add_request(probe_prompt(), probe_params()).unwrap());
+        }
+        let params = greedy(4 + (i as usize * 11) % 30);
+        ids.push(e.add_request(other_prompt(i), params).unwrap());
+    }
+    let probe = probe.unwrap();
+    ids.insert(20, probe);
+    let done = drain(&mut e, &ids);
+    let stats = e.stats();
+    assert!(
+        stats.steps < 64 * PROBE_TOKENS as u64,
+        "the requests shared steps"
+    );
+    trace(&done[20])
+}
+
+/// The probe last of 12 long requests in a pool too small for all of them: it is preempted
+/// and recomputed.
+fn preempted(device: DeviceKind) -> Trace {
+    let mut e = engine(device, true, 24);
+    let mut ids: Vec<_> = (0..11u32)
+        .map(|i| e.add_request(other_prompt(i * 3 + 1), greedy(40)).unwrap())
+        .collect();
+    ids.push(e.add_request(probe_prompt(), probe_params()).unwrap());
+    let done = drain(&mut e, &ids);
+    let probe = done.last().unwrap();
+    let preemptions = probe
+        .last()
+        .metrics
+        .as_ref()
+        .map_or(0, |m| m.num_preemptions);
+    assert!(
+        preemptions > 0,
+        "the probe was preempted (engine: {})",
+        e.stats().preemptions
+    );
+    trace(probe)
+}
+
+/// The probe after a request that shares its first two blocks: the probe reads them from the
+/// prefix cache.
+fn after_prefix_hit(device: DeviceKind) -> Trace {
+    let mut e = engine(device, true, 1024);
+    let mut first = probe_prompt()[..32].to_vec();
+    first.extend([11, 12, 13, 14, 15]);
+    let id = e.add_request(first, greedy(3)).unwrap();
+    drain(&mut e, &[id]);
+    let id = e.add_request(probe_prompt(), probe_params()).unwrap();
+    let done = drain(&mut e, &[id]);
+    assert_eq!(
+        done[0].last().num_cached_tokens,
+        32,
+        "two blocks from the cache"
+    );
+    trace(&done[0])
+}
+
+fn check(device: DeviceKind) {
+    let reference = alone(device, true);
+    assert_eq!(
+        in_batch(device, true),
+        reference,
+        "{device:?}: in a batch of 64"
+    );
+    assert_eq!(preempted(device), reference, "{device:?}: preempted");
+    assert_eq!(
+        after_prefix_hit(device),
+        reference,
+        "{device:?}: after a prefix-cache hit"
+    );
+}
+
+#[test]
+fn a_requests_logprobs_do_not_depend_on_its_batch_on_the_cubecl_cpu_runtime() {
+    check(DeviceKind::CubeclCpu);
+    // The control: without the mode, the probe's decode rows take the skinny kernel alone
+    // and the tiled one in the batch, and its log-probabilities differ in their last bits.
+    // (Were they equal, the comparisons above would prove nothing about the mode.)
+    assert_ne!(
+        in_batch(DeviceKind::CubeclCpu, false),
+        alone(DeviceKind::CubeclCpu, false),
+        "without batch invariance the batch changes the probe's last bits"
+    );
+}
+
+#[test]
+fn burns_cpu_backend_refuses_batch_invariance_naming_the_option() {
+    let config = EngineConfig {
+        batch_invariant: true,
+        ..EngineConfig::default()
+    };
+    let err = LLMEngine::new(fixture(MODEL), config)
+        .err()
+        .expect("refused");
+    assert!(err.to_string().contains("batch_invariant"), "{err}");
+}

@@ -1,0 +1,37 @@
+#!/usr/bin/env bash
+# On the GPU machine (device tool, nvidia-h100-x1): batch-invariant inference on CUDA.
+#   batch_invariance.sh test   (dist/engine.xz: `cargo test --workspace --test engine --no-run`,
+#       the binary stripped): the engine's batch-invariance tests with ENGINE_TEST_DEVICE=cuda
+#       (bf16: one request's tokens and log-probabilities alone, in a batch of 64, preempted,
+#       after a prefix-cache hit).
+#   batch_invariance.sh cost MODEL...   (dist-b/benches.xz): bench.py, 1,000 x (528 + 136)
+#       +-90 % and one request of 512 + 128, each with and without --batch-invariant, back to
+#       back, random weights of each model's config.
+# Logs go to $OUT.
+set -uo pipefail
+source "$(dirname "$0")/unpack.sh"
+nvidia-smi --query-gpu=name,memory.total --format=csv,noheader
+mode=${1:-test}
+shift || true
+case "$mode" in
+  test)
+    ENGINE_TEST_DEVICE=cuda timeout 500 /tmp/bin/engine batch_invariance --test-threads 1 2>&1 \
+      | tee "$OUT/tests.log" | grep -E "^test |test result|panicked|left|right" | cut -c1-400
+    ;;
+  cost)
+    for model in "$@"; do
+      for flag in "" --batch-invariant; do
+        tag="$model${flag:+-invariant}"
+        for suite in nano "throughput --num-prompts 1000 --input-len 528 --output-len 136 --random-range-ratio 0.9" \
+          "latency --input-len 512 --output-len 128 --batch-size 1 --iters 3"; do
+          name="${suite%% *}-$tag"
+          echo "== $name"
+          # shellcheck disable=SC2086
+          timeout 300 /tmp/bin/benches $suite --device cuda --dummy "$model" $flag \
+            --out "$OUT/$name.json" > "$OUT/$name.log" 2>&1
+          echo "exit $?"; grep -E "^$model" "$OUT/$name.log" | tail -n 1 | cut -d, -f1-8
+        done
+      done
+    done
+    ;;
+esac
