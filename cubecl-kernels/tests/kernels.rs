@@ -3,6 +3,7 @@
 
 mod kernels {
     mod attention;
+    mod batch_invariance;
     pub mod common;
     mod cpu_builtins;
     mod host_io;

@@ -1,13 +1,13 @@
 //! Batch-invariant inference (`EngineConfig::batch_invariant`): one probe request's tokens and
 //! log-probabilities, compared bit for bit, alone and in a batch of 64 requests (its steps mixing
 //! decode rows and prefill chunks), preempted and recomputed, and after a prefix-cache hit. The
-//! model is the fixture with the real Qwen2 vocabulary, the device CubeCL's CPU runtime. Burn's
-//! CPU backend (plain-Burn products, whose blocking follows the number of rows) refuses the
-//! mode.
+//! model is the fixture with the real Qwen2 vocabulary, the device CubeCL's CPU runtime in f32
+//! (`ENGINE_TEST_DEVICE=cuda`: CUDA in bf16). Burn's CPU backend (plain-Burn products, whose
+//! blocking follows the number of rows) refuses the mode.
 
 use engine::{DeviceKind, EngineConfig, LLMEngine, SamplingParams};
 
-use super::common::{Finished, drain, fixture, greedy};
+use super::common::{Finished, drain, fixture, greedy, test_device};
 
 const MODEL: &str = "qwen2-tiny-tied";
 
@@ -34,12 +34,24 @@ fn probe_params() -> SamplingParams {
     }
 }
 
-/// An f32 engine with room for 64 sequences and small steps (prefill chunks of at most 64
-/// tokens, mixed with decode rows); `blocks` KV blocks of 16.
+/// CUDA when `ENGINE_TEST_DEVICE` names it, else CubeCL's CPU runtime.
+fn device() -> DeviceKind {
+    match test_device() {
+        DeviceKind::Cuda(i) => DeviceKind::Cuda(i),
+        _ => DeviceKind::CubeclCpu,
+    }
+}
+
+/// An engine (f32; bf16 on CUDA) with room for 64 sequences and small steps (prefill chunks
+/// of at most 64 tokens, mixed with decode rows); `blocks` KV blocks of 16.
 fn engine(device: DeviceKind, batch_invariant: bool, blocks: usize) -> LLMEngine {
+    let dtype = match device {
+        DeviceKind::Cuda(_) => burn::tensor::DType::BF16,
+        _ => burn::tensor::DType::F32,
+    };
     let config = EngineConfig {
         device,
-        dtype: Some(burn::tensor::DType::F32),
+        dtype: Some(dtype),
         max_num_seqs: Some(64),
         max_num_batched_tokens: 64,
         num_kv_blocks: Some(blocks),
@@ -161,14 +173,15 @@ fn check(device: DeviceKind) {
 }
 
 #[test]
-fn a_requests_logprobs_do_not_depend_on_its_batch_on_the_cubecl_cpu_runtime() {
-    check(DeviceKind::CubeclCpu);
+fn a_requests_logprobs_do_not_depend_on_its_batch() {
+    let device = device();
+    check(device);
     // The control: without the mode, the probe's decode rows take the skinny kernel alone
-    // and the tiled one in the batch, and its log-probabilities differ in their last bits.
-    // (Were they equal, the comparisons above would prove nothing about the mode.)
+    // and the tiled one in the batch (CPU runtime), and its log-probabilities differ in their
+    // last bits. (Were they equal, the comparisons above would prove nothing about the mode.)
     assert_ne!(
-        in_batch(DeviceKind::CubeclCpu, false),
-        alone(DeviceKind::CubeclCpu, false),
+        in_batch(device, false),
+        alone(device, false),
         "without batch invariance the batch changes the probe's last bits"
     );
 }
