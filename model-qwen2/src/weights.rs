@@ -189,7 +189,11 @@ impl Checkpoint {
         }
         let mut shape = raws[0].shape.clone();
         shape[0] = raws.iter().map(|r| r.shape[0]).sum();
-        let bytes = raws.into_iter().flat_map(|r| r.bytes).collect();
+        // One copy per part (not a byte-wise iterator: these are the largest tensors).
+        let mut bytes = Vec::with_capacity(raws.iter().map(|r| r.bytes.len()).sum());
+        for raw in &raws {
+            bytes.extend_from_slice(&raw.bytes);
+        }
         Ok(RawTensor {
             bytes,
             dtype: src,

@@ -22,6 +22,31 @@ CALLS = 100
 REPLAYS = 20
 
 
+def graph_time_us(call, stream: torch.cuda.Stream) -> float:
+    """Mean microseconds of `call()` (one collective): 3 eager warm-up calls (NCCL sets up its
+    channels on first use), CALLS calls captured into a CUDA graph, REPLAYS timed replays after
+    one untimed replay and a barrier."""
+    with torch.cuda.stream(stream):
+        for _ in range(3):
+            call()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, stream=stream):
+        for _ in range(CALLS):
+            call()
+    graph.replay()
+    torch.cuda.synchronize()
+    dist.barrier()
+    start = torch.cuda.Event(enable_timing=True)
+    end = torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(REPLAYS):
+        graph.replay()
+    end.record()
+    torch.cuda.synchronize()
+    return start.elapsed_time(end) * 1000 / (REPLAYS * CALLS)
+
+
 def main() -> None:
     rank = int(os.environ["LOCAL_RANK"])
     torch.cuda.set_device(rank)
@@ -34,31 +59,10 @@ def main() -> None:
     for model, hidden in HIDDEN.items():
         for rows in ROWS:
             x = torch.randn(rows, hidden, dtype=torch.bfloat16, device="cuda")
-            # Warm-up outside the graph (NCCL sets up its channels on first use).
-            for _ in range(3):
-                dist.all_reduce(x)
-            torch.cuda.synchronize()
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.stream(stream):
-                with torch.cuda.graph(graph, stream=stream):
-                    for _ in range(CALLS):
-                        dist.all_reduce(x)
-            torch.cuda.synchronize()
-            graph.replay()
-            torch.cuda.synchronize()
-            dist.barrier()
-            start = torch.cuda.Event(enable_timing=True)
-            end = torch.cuda.Event(enable_timing=True)
-            start.record()
-            for _ in range(REPLAYS):
-                graph.replay()
-            end.record()
-            torch.cuda.synchronize()
-            us = start.elapsed_time(end) * 1000 / (REPLAYS * CALLS)
+            us = graph_time_us(lambda: dist.all_reduce(x), stream)
             if rank == 0:
                 step_ms = us * 2 * LAYERS[model] / 1000
                 print(f"{model},{hidden},{rows},{us:.1f},{step_ms:.2f}", flush=True)
-            del graph
     dist.destroy_process_group()
 
 

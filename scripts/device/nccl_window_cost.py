@@ -18,10 +18,10 @@ import os
 import torch
 import torch.distributed as dist
 
-HIDDEN = {"qwen2-7b": 3584, "qwen2-32b": 5120, "qwen2-72b": 8192}
+# The same timing as all_reduce_cost.py (this script's folder is on the import path).
+from all_reduce_cost import HIDDEN, graph_time_us
+
 ROWS = [1, 32, 128, 256, 512]
-CALLS = 100
-REPLAYS = 20
 NCCL_BFLOAT16 = 9
 NCCL_SUM = 0
 NCCL_WIN_COLL_SYMMETRIC = 1
@@ -78,25 +78,7 @@ def main() -> None:
                 "ncclAllReduce",
             )
 
-        with torch.cuda.stream(stream):
-            for _ in range(3):
-                call()
-        torch.cuda.synchronize()
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, stream=stream):
-            for _ in range(CALLS):
-                call()
-        graph.replay()
-        torch.cuda.synchronize()
-        dist.barrier()
-        start = torch.cuda.Event(enable_timing=True)
-        end = torch.cuda.Event(enable_timing=True)
-        start.record()
-        for _ in range(REPLAYS):
-            graph.replay()
-        end.record()
-        torch.cuda.synchronize()
-        return start.elapsed_time(end) * 1000 / (REPLAYS * CALLS)
+        return graph_time_us(call, stream)
 
     for model, hidden in HIDDEN.items():
         for rows in ROWS:
