@@ -26,19 +26,20 @@
 //!
 //! Capture rules: cuBLAS gets a 32 MiB workspace per stream, a persistent CubeCL buffer (left to
 //! itself it would allocate one inside the graph, which CubeCL rejects; two streams never share
-//! one); the handle and each shape's plan (descriptors, layouts, the heuristic's algorithm) are
-//! made on first use, which the engine's warm-up runs before any capture.
+//! one); the handle and each shape's plan (descriptors, layouts, the heuristic's algorithm:
+//! `cublas_plan.rs`) are made on first use, which the engine's warm-up runs before any capture.
 //!
 //! Algorithm choice: cuBLASLt's heuristic ranks its algorithms for a shape without running
 //! them, and its first pick is what PyTorch takes. While [`super::set_linear_tuning`] is on (the
 //! engine turns it on for the warm-up runs of the steps it captures as graphs, whose shapes then
 //! run thousands of times), a shape's first call on CubeCL's stream times the heuristic's top
-//! [`TUNE_CANDIDATES`] on its own operands (CUDA events, [`TUNE_RUNS`] runs each, after one
-//! untimed run) and keeps the fastest; outside it, or when the output aliases an input (a run
+//! `TUNE_CANDIDATES` (`cublas_plan.rs`) on its own operands (CUDA events, [`TUNE_RUNS`] runs
+//! each, after one untimed run) and keeps the fastest; outside it, or when the output aliases an input (a run
 //! would not be repeatable), the first pick stays (`BURN_NANOVLLM_CUBLAS_TUNE=off`: always;
 //! `=rows`: for shapes of fewer rows). The timed runs find the weights in the L2 cache, where a
 //! step streams them from memory; measured on the H100, tuning only shapes of ≥ 512 rows (where
-//! the arithmetic, not the weights, sets the time) did no better than tuning all.
+//! the arithmetic, not the weights, sets the time) did no better than tuning all. A
+//! batch-invariant shape has one candidate, never timed.
 
 use std::any::Any;
 use std::collections::HashMap;
@@ -52,60 +53,13 @@ use cudarc::cublaslt::{result as lt, sys};
 use cudarc::driver;
 use cudarc::driver::sys::{CUevent, CUstream};
 
+use super::cublas_plan::{Plan, PlanKey, WORKSPACE_BYTES, set_desc};
 use crate::knobs::Knobs;
 
 type CudaServer = <cubecl::cuda::CudaRuntime as cubecl_runtime::runtime::Runtime>::Server;
 
-/// Workspace handed to every cuBLASLt call (what its split-K algorithms may use).
-const WORKSPACE_BYTES: usize = 32 << 20;
-
-/// Algorithms of the heuristic's ranking timed when a shape is tuned (module doc).
-const TUNE_CANDIDATES: usize = 8;
-
 /// Timed runs of each candidate.
 const TUNE_RUNS: usize = 5;
-
-/// Rows of the shape whose heuristic pick a batch-invariant product keeps for every `M` of its
-/// weight (decode and prefill sizes alike).
-const INVARIANT_REFERENCE_ROWS: u64 = 256;
-
-/// Address alignment, bytes, a batch-invariant product's algorithm is chosen for (whatever the
-/// call's own pointers allow: the choice must not change with them).
-const INVARIANT_ALIGNMENT: u32 = 16;
-
-/// cuBLAS's `CUBLAS_OP_T` (the cuBLASLt bindings do not carry `cublasOperation_t`).
-const CUBLAS_OP_T: i32 = 1;
-
-/// One matmul shape: everything its descriptors and algorithm depend on.
-#[derive(Clone, Copy, Debug, Hash, PartialEq, Eq)]
-struct PlanKey {
-    m: usize,
-    n: usize,
-    k: usize,
-    /// Row pitches of x, W, y and the added matrix (0: none), in elements.
-    ld: [usize; 4],
-    /// Address alignment of x, W, y and the added matrix, bytes (at most 256).
-    align: [usize; 4],
-    dtype: DType,
-    bias: bool,
-    /// One algorithm for every `M` of this weight, without split-K (batch-invariant).
-    invariant: bool,
-}
-
-/// The descriptors and chosen algorithm of one shape.
-struct Plan {
-    desc: sys::cublasLtMatmulDesc_t,
-    a: sys::cublasLtMatrixLayout_t,
-    b: sys::cublasLtMatrixLayout_t,
-    d: sys::cublasLtMatrixLayout_t,
-    /// The added matrix's layout (`d` when there is none).
-    c: Option<sys::cublasLtMatrixLayout_t>,
-    algo: sys::cublasLtMatmulAlgo_t,
-    /// The heuristic's ranking (first = its pick), within the workspace.
-    candidates: Vec<sys::cublasLtMatmulAlgo_t>,
-    /// `algo` is the fastest of the candidates, timed.
-    tuned: bool,
-}
 
 /// cuBLASLt state of one CUDA device.
 struct DeviceLt {
@@ -566,262 +520,4 @@ impl DeviceLt {
             timer: None,
         })
     }
-}
-
-impl Plan {
-    fn new(
-        handle: sys::cublasLtHandle_t,
-        key: &PlanKey,
-        data_type: sys::cudaDataType,
-    ) -> Result<Self, String> {
-        let err = |what: &str, e: &dyn std::fmt::Debug| format!("{what}: {e:?}");
-        let (m, n, k) = (key.m as u64, key.n as u64, key.k as u64);
-        let [ldx, ldw, ldy, ldc] = key.ld.map(|l| l as i64);
-        let desc = lt::create_matmul_desc(
-            sys::cublasComputeType_t::CUBLAS_COMPUTE_32F,
-            sys::cudaDataType::CUDA_R_32F,
-        )
-        .map_err(|e| err("matmul descriptor", &e))?;
-        let layout = |rows, cols, ld| {
-            lt::create_matrix_layout(data_type, rows, cols, ld).map_err(|e| err("layout", &e))
-        };
-        let mut plan = Self {
-            desc,
-            a: layout(k, n, ldw)?,
-            b: layout(k, m, ldx)?,
-            d: layout(n, m, ldy)?,
-            c: if ldc > 0 {
-                Some(layout(n, m, ldc)?)
-            } else {
-                None
-            },
-            // Replaced by the heuristic's pick below.
-            algo: unsafe { std::mem::zeroed() },
-            candidates: Vec::new(),
-            tuned: false,
-        };
-        // SAFETY: the descriptors were just created and are owned by `plan` (freed on drop).
-        unsafe {
-            set_desc(
-                desc,
-                sys::cublasLtMatmulDescAttributes_t::CUBLASLT_MATMUL_DESC_TRANSA,
-                &CUBLAS_OP_T,
-            )?;
-            if key.bias {
-                set_desc(
-                    desc,
-                    sys::cublasLtMatmulDescAttributes_t::CUBLASLT_MATMUL_DESC_EPILOGUE,
-                    &sys::cublasLtEpilogue_t::CUBLASLT_EPILOGUE_BIAS,
-                )?;
-            }
-            let pref = lt::create_matmul_pref().map_err(|e| err("preference", &e))?;
-            use sys::cublasLtMatmulPreferenceAttributes_t as P;
-            let [align_x, align_w, align_y, align_c] = if key.invariant {
-                [INVARIANT_ALIGNMENT; 4]
-            } else {
-                key.align.map(|a| a as u32)
-            };
-            let align_c = if plan.c.is_some() { align_c } else { align_y };
-            // A batch-invariant product asks about the reference shape, with no reduction
-            // scheme (no split-K), and keeps the first answer for every M.
-            let reference = if key.invariant {
-                let rows = INVARIANT_REFERENCE_ROWS;
-                Some((
-                    layout(k, rows, ldx)?,
-                    layout(n, rows, ldy)?,
-                    if ldc > 0 {
-                        Some(layout(n, rows, ldc)?)
-                    } else {
-                        None
-                    },
-                ))
-            } else {
-                None
-            };
-            let (b, d, c) = match reference {
-                Some((b, d, c)) => (b, d, c.unwrap_or(d)),
-                None => (plan.b, plan.d, plan.c.unwrap_or(plan.d)),
-            };
-            let heuristic = set_pref(
-                pref,
-                P::CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES,
-                &(WORKSPACE_BYTES as u64),
-            )
-            .and_then(|()| {
-                if key.invariant {
-                    let none =
-                        sys::cublasLtReductionScheme_t::CUBLASLT_REDUCTION_SCHEME_NONE as u32;
-                    set_pref(pref, P::CUBLASLT_MATMUL_PREF_REDUCTION_SCHEME_MASK, &none)
-                } else {
-                    Ok(())
-                }
-            })
-            .and_then(|()| {
-                set_pref(
-                    pref,
-                    P::CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_A_BYTES,
-                    &align_w,
-                )
-            })
-            .and_then(|()| {
-                set_pref(
-                    pref,
-                    P::CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_B_BYTES,
-                    &align_x,
-                )
-            })
-            .and_then(|()| {
-                set_pref(
-                    pref,
-                    P::CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_C_BYTES,
-                    &align_c,
-                )
-            })
-            .and_then(|()| {
-                set_pref(
-                    pref,
-                    P::CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_D_BYTES,
-                    &align_y,
-                )
-            })
-            .and_then(|()| {
-                let wanted = if key.invariant { 1 } else { TUNE_CANDIDATES };
-                let mut found: Vec<sys::cublasLtMatmulHeuristicResult_t> =
-                    vec![std::mem::zeroed(); wanted];
-                let mut count = 0;
-                sys::cublasLtMatmulAlgoGetHeuristic(
-                    handle,
-                    desc,
-                    plan.a,
-                    b,
-                    c,
-                    d,
-                    pref,
-                    wanted as i32,
-                    found.as_mut_ptr(),
-                    &mut count,
-                )
-                .result()
-                .map_err(|e| {
-                    err(
-                        &format!("no cuBLASLt algorithm for {m}x{n}x{k} {:?}", key.dtype),
-                        &e,
-                    )
-                })?;
-                found.truncate(count.max(0) as usize);
-                Ok(found)
-            });
-            if let Some((b, d, c)) = reference {
-                let _ = lt::destroy_matrix_layout(b);
-                let _ = lt::destroy_matrix_layout(d);
-                if let Some(c) = c {
-                    let _ = lt::destroy_matrix_layout(c);
-                }
-            }
-            let _ = lt::destroy_matmul_pref(pref);
-            plan.candidates = heuristic?
-                .into_iter()
-                .filter(|h| {
-                    h.state == sys::cublasStatus_t::CUBLAS_STATUS_SUCCESS
-                        && h.workspaceSize <= WORKSPACE_BYTES
-                })
-                .map(|h| h.algo)
-                .collect();
-            let Some(&first) = plan.candidates.first() else {
-                return Err(format!(
-                    "no cuBLASLt algorithm for {m}x{n}x{k} {:?} within {WORKSPACE_BYTES} bytes of workspace",
-                    key.dtype
-                ));
-            };
-            plan.algo = first;
-            if key.invariant {
-                // The reference shape's algorithm must serve this one as it is.
-                let mut check: sys::cublasLtMatmulHeuristicResult_t = std::mem::zeroed();
-                sys::cublasLtMatmulAlgoCheck(
-                    handle,
-                    desc,
-                    plan.a,
-                    plan.b,
-                    plan.c.unwrap_or(plan.d),
-                    plan.d,
-                    &plan.algo,
-                    &mut check,
-                )
-                .result()
-                .map_err(|e| {
-                    err(
-                        &format!(
-                            "the batch-invariant cuBLASLt algorithm does not serve {m}x{n}x{k} {:?}",
-                            key.dtype
-                        ),
-                        &e,
-                    )
-                })?;
-                if check.workspaceSize > WORKSPACE_BYTES {
-                    return Err(format!(
-                        "the batch-invariant cuBLASLt algorithm for {m}x{n}x{k} needs {} bytes of workspace",
-                        check.workspaceSize
-                    ));
-                }
-            }
-            Ok(plan)
-        }
-    }
-}
-
-impl Drop for Plan {
-    fn drop(&mut self) {
-        // SAFETY: created by `Plan::new`, destroyed once.
-        unsafe {
-            let _ = lt::destroy_matrix_layout(self.a);
-            let _ = lt::destroy_matrix_layout(self.b);
-            let _ = lt::destroy_matrix_layout(self.d);
-            if let Some(c) = self.c {
-                let _ = lt::destroy_matrix_layout(c);
-            }
-            let _ = lt::destroy_matmul_desc(self.desc);
-        }
-    }
-}
-
-/// Sets one matmul-preference attribute to `value`.
-///
-/// # Safety
-/// `pref` must be alive and `T` the attribute's type.
-unsafe fn set_pref<T>(
-    pref: sys::cublasLtMatmulPreference_t,
-    attr: sys::cublasLtMatmulPreferenceAttributes_t,
-    value: &T,
-) -> Result<(), String> {
-    // SAFETY: forwarded from the caller.
-    unsafe {
-        lt::set_matmul_pref_attribute(
-            pref,
-            attr,
-            (value as *const T).cast(),
-            std::mem::size_of::<T>(),
-        )
-    }
-    .map_err(|e| format!("preference attribute {attr:?}: {e:?}"))
-}
-
-/// Sets one matmul-descriptor attribute to `value`.
-///
-/// # Safety
-/// `desc` must be alive and `T` the attribute's type.
-unsafe fn set_desc<T>(
-    desc: sys::cublasLtMatmulDesc_t,
-    attr: sys::cublasLtMatmulDescAttributes_t,
-    value: &T,
-) -> Result<(), String> {
-    // SAFETY: forwarded from the caller.
-    unsafe {
-        lt::set_matmul_desc_attribute(
-            desc,
-            attr,
-            (value as *const T).cast(),
-            std::mem::size_of::<T>(),
-        )
-    }
-    .map_err(|e| format!("matmul attribute {attr:?}: {e:?}"))
 }

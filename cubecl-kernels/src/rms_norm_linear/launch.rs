@@ -144,6 +144,7 @@ fn cublas_device(device: &cubecl::Device, client: &Client) -> Option<usize> {
 /// The fused op on CubeCL tensors: `h = x (+ residual)`, `y = rms_norm(h)·Wᵀ (+ b) (+ add)`
 /// (without `gamma`, a plain linear). Returns `(y [M, N], h [M, K])`. Arguments were checked by
 /// [`super::check_args`].
+#[allow(clippy::too_many_arguments)]
 pub(crate) fn fused_linear(
     x: CubeTensor,
     residual: Option<CubeTensor>,

@@ -6,6 +6,8 @@
 
 #[cfg(feature = "cuda")]
 mod cublas;
+#[cfg(feature = "cuda")]
+mod cublas_plan;
 pub(crate) mod kernel;
 pub(crate) mod launch;
 mod module;

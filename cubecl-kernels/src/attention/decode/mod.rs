@@ -254,6 +254,7 @@ pub(super) fn write_merged<F: Float>(
 /// Host side of decode attention: rows `0..B` of `launch.q [T, heads, D]` (`B` =
 /// `context_lens`' length, `B ≤ T`), one token per sequence, into the same rows of
 /// `launch.out`. Rows of context 0 (a captured step's padding) are neither read nor written.
+#[allow(clippy::too_many_arguments)]
 pub(crate) fn paged_decode(
     launch: &super::AttentionLaunch,
     k_cache: CubeTensor,
