@@ -124,7 +124,8 @@ impl LLMEngine {
                     .collect();
                 let counters: Vec<u32> = rows.iter().map(|&(_, pos)| pos as u32).collect();
                 let vocab = self.model_config.vocab_size;
-                let plan = SamplePlan::new(&sampler_rows, masks, &counters, vocab);
+                let mut plan = SamplePlan::new(&sampler_rows, masks, &counters, vocab);
+                plan.logprobs_per_row = self.config.batch_invariant;
                 if let Some(workers) = &mut self.workers {
                     workers.sample(&plan)?;
                 }

@@ -111,6 +111,7 @@ pub fn sample_planned(
     let wanted: Vec<usize> = (0..n)
         .filter(|&r| rows[r].params.logprobs.is_some())
         .collect();
+    let per_row = plan.logprobs_per_row;
     let whole = plan.enqueue(logits, draws, shard, !wanted.is_empty())?;
     let flush = Instant::now();
     let pending = cubecl_kernels::read_ints_async(&draws.clone().slice(0..n))
@@ -122,7 +123,15 @@ pub fn sample_planned(
     };
     let mut out = Draws::Copying(pending, n).wait()?;
     let ids: Vec<u32> = out.iter().map(|s| s.token_id).collect();
-    let all = logprobs(raw, &wanted, rows, &ids)?;
+    let all = if per_row {
+        let mut all = Vec::with_capacity(wanted.len());
+        for &r in &wanted {
+            all.extend(logprobs(raw.clone(), &[r], rows, &ids)?);
+        }
+        all
+    } else {
+        logprobs(raw, &wanted, rows, &ids)?
+    };
     for (r, lp) in wanted.into_iter().zip(all) {
         out[r].logprobs = Some(lp);
     }

@@ -28,6 +28,10 @@ pub struct SamplePlan {
     /// Some row needs its whole row of logits (a filter, or log-probabilities): under tensor
     /// parallelism the ranks gather the logits instead of exchanging each shard's draw.
     pub whole_rows: bool,
+    /// Log-probabilities computed one row at a time, so that a row's do not depend on how many
+    /// rows ask for them (Burn's reductions pick their strategy by the number of rows; set for
+    /// `EngineConfig::batch_invariant`).
+    pub logprobs_per_row: bool,
 }
 
 /// A tensor-parallel rank's columns of the logits and its group: how [`SamplePlan::enqueue`]
@@ -73,6 +77,7 @@ impl SamplePlan {
                 || draws.iter().any(|d| d.needs_whole_row(vocab)),
             rows: draws,
             vocab,
+            logprobs_per_row: false,
         }
     }
 
