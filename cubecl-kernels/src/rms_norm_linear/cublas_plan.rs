@@ -107,6 +107,18 @@ impl Plan {
             let pref = lt::create_matmul_pref().map_err(|e| err("preference", &e))?;
             use sys::cublasLtMatmulPreferenceAttributes_t as P;
             let [align_x, align_w, align_y, align_c] = if key.invariant {
+                if key
+                    .align
+                    .iter()
+                    .any(|&a| a != 0 && a < INVARIANT_ALIGNMENT as usize)
+                {
+                    let _ = lt::destroy_matmul_pref(pref);
+                    return Err(format!(
+                        "a batch-invariant {m}x{n}x{k} product has an operand aligned to fewer \
+                         than {INVARIANT_ALIGNMENT} bytes ({:?})",
+                        key.align
+                    ));
+                }
                 [INVARIANT_ALIGNMENT; 4]
             } else {
                 key.align.map(|a| a as u32)
