@@ -43,6 +43,10 @@
 //! | [`UploadBuffer`] | host memory for an upload, filled in place: pinned on CUDA, so the upload makes no host copy |
 //! | [`read_ints_async`] | starts copying an `i32` buffer to the host behind the work that writes it; wait later |
 //!
+//! [`linear_ordered`], [`linear_add_ordered`], [`rms_norm_linear_ordered`] and
+//! [`paged_attention_ordered`] take a [`ReductionOrder`]: with `BatchInvariant` a row's result does
+//! not depend on the other rows of the call (batch-invariant inference).
+//!
 //! Each op family declares its Burn backend extension beside its kernels and implements it for
 //! CubeCL backends there ([`attention::AttentionOps`], [`rms_norm_linear::LinearOps`],
 //! [`silu_mul::SiluMulOps`], [`sampling::SamplingOps`], and the crate-private host-write,
