@@ -87,8 +87,8 @@ pub struct EngineConfig {
     /// of rows (one cuBLASLt algorithm per weight shape, no split-K; the FMA-tiled kernel
     /// elsewhere) and decode attention splits each context by its own length alone
     /// ([`cubecl_kernels::ReductionOrder::BatchInvariant`]); decode rows take the prefill
-    /// kernel, so that a token recomputed after a preemption equals its first computation, and
-    /// steps run eagerly (no step graphs). Costs speed (`docs/BENCHMARKS.md`).
+    /// kernel, so that a token recomputed after a preemption equals its first computation (the
+    /// step graphs hold prefill chunks only). Costs speed (`docs/BENCHMARKS.md`).
     pub batch_invariant: bool,
 }
 
@@ -181,12 +181,11 @@ impl EngineConfig {
         }
     }
 
-    /// The step-graph token counts: none with `enforce_eager` or `batch_invariant` (the
-    /// graphs' decode rows take the decode kernel), none off CUDA unless `emulate_graphs`, else
-    /// `cuda_graph_sizes` or the default for the batch limits.
+    /// The step-graph token counts: none with `enforce_eager`, none off CUDA unless
+    /// `emulate_graphs`, else `cuda_graph_sizes` or the default for the batch limits.
     pub fn graph_sizes(&self) -> Vec<usize> {
         let graphs = matches!(self.device, DeviceKind::Cuda(_)) || self.emulate_graphs;
-        if self.enforce_eager || self.batch_invariant || !graphs {
+        if self.enforce_eager || !graphs {
             return Vec::new();
         }
         match &self.cuda_graph_sizes {

@@ -26,11 +26,13 @@ use std::time::{Duration, Instant};
 
 use burn::backend::{Backend, BackendGraph, Dispatch};
 use burn::tensor::{Device, Int, Tensor};
+use cubecl_kernels::ReductionOrder;
 use model_qwen2::{KvCache, LogitsRows, Qwen2Model};
 
 use crate::error::{EngineError, Result};
 use crate::graph_inputs::{
-    BlockTables, Buffers, Capacity, DRAW_ROWS, IDS, SAMPLE_ROWS, StepInputs, TableLayout,
+    BlockTables, Buffers, Capacity, DRAW_ROWS, IDS, MAX_PREFILL_CHUNKS, SAMPLE_ROWS, StepInputs,
+    TableLayout,
 };
 use crate::step::{StepSeq, feed_draws};
 
@@ -161,10 +163,14 @@ impl StepGraphs {
     ) -> Result<Self> {
         let block_size = cache.lock().expect("KV cache lock").block_size();
         let width = max_model_len.div_ceil(block_size);
-        let layout = TableLayout::new(
-            sizes.iter().max().map_or(0, |&t| t.min(max_num_seqs)),
-            width,
-        )?;
+        // Batch-invariant steps send decode rows through the prefill kernel: their graphs hold
+        // only prefill chunks, as many as sequences.
+        let chunks_only = model.reduction_order() == ReductionOrder::BatchInvariant;
+        let most_seqs = sizes.iter().max().map_or(0, |&t| t.min(max_num_seqs));
+        let layout = match chunks_only {
+            true => TableLayout::new(0, most_seqs.max(MAX_PREFILL_CHUNKS), width)?,
+            false => TableLayout::new(most_seqs, MAX_PREFILL_CHUNKS, width)?,
+        };
         let c = &model.config;
         let tile_rows = cubecl_kernels::prefill_tile_rows(
             device,
@@ -199,6 +205,10 @@ impl StepGraphs {
         // decode rows get a decode-only graph beside the mixed one.
         let mut caps = Vec::new();
         for &tokens in sizes.iter().rev() {
+            if chunks_only {
+                caps.push(Capacity::chunks_only(tokens, max_num_seqs, tile_rows));
+                continue;
+            }
             let mixed = Capacity::new(tokens, max_num_seqs, tile_rows);
             caps.push(mixed);
             if Capacity::has_decode_only(tokens, max_num_seqs) {

@@ -41,6 +41,9 @@ pub(crate) struct Capacity {
     pub tiles: usize,
     /// Rows that sample `S`.
     pub samples: usize,
+    /// Every sequence, one-token ones included, is a prefill chunk (batch-invariant steps:
+    /// decode rows take the prefill kernel, `EngineConfig::batch_invariant`).
+    pub chunks_only: bool,
 }
 
 /// Most prefill chunks in one step when steps replay graphs (the scheduler keeps to it): the
@@ -63,6 +66,22 @@ impl Capacity {
                 tokens.div_ceil(tile_rows) + prefills
             },
             samples: tokens.min(max_num_seqs),
+            chunks_only: false,
+        }
+    }
+
+    /// The capacity of bucket `tokens` when every sequence is a prefill chunk
+    /// ([`Self::chunks_only`]): as many chunks as sequences, each ending at most one partial
+    /// tile.
+    pub(crate) fn chunks_only(tokens: usize, max_num_seqs: usize, tile_rows: usize) -> Self {
+        let prefills = tokens.min(max_num_seqs);
+        Self {
+            tokens,
+            decodes: 0,
+            prefills,
+            tiles: tokens.div_ceil(tile_rows) + prefills,
+            samples: prefills,
+            chunks_only: true,
         }
     }
 
@@ -82,6 +101,7 @@ impl Capacity {
             prefills: 0,
             tiles: 0,
             samples: tokens.min(max_num_seqs),
+            chunks_only: false,
         }
     }
 }
@@ -100,17 +120,18 @@ pub(crate) struct TableLayout {
 }
 
 impl TableLayout {
-    /// Rows for `decodes` decode rows and [`MAX_PREFILL_CHUNKS`] prefill chunks of `width`
-    /// entries. Fails when the indices would not fit an `i32`.
-    pub(crate) fn new(decodes: usize, width: usize) -> Result<Self> {
+    /// Rows for `decodes` decode rows and `chunks` prefill chunks ([`MAX_PREFILL_CHUNKS`], or
+    /// a step's most sequences when every one is a chunk) of `width` entries. Fails when the
+    /// indices would not fit an `i32`.
+    pub(crate) fn new(decodes: usize, chunks: usize, width: usize) -> Result<Self> {
         let prefill_at = (decodes * width).next_multiple_of(PART_ALIGN);
-        let len = (prefill_at + MAX_PREFILL_CHUNKS * width).max(1);
+        let len = (prefill_at + chunks * width).max(1);
         if len > i32::MAX as usize {
             return Err(EngineError::config(
                 "max_model_len",
                 format!(
-                    "block tables of {decodes} + {MAX_PREFILL_CHUNKS} rows of {width} blocks \
-                     exceed 2^31 entries"
+                    "block tables of {decodes} + {chunks} rows of {width} blocks exceed 2^31 \
+                     entries"
                 ),
             ));
         }
@@ -195,7 +216,10 @@ impl StepInputs {
         tile_rows: usize,
     ) -> Result<Option<Self>> {
         let tokens: usize = seqs.iter().map(|s| s.num_new_tokens()).sum();
-        let decodes = seqs.iter().take_while(|s| s.num_new_tokens() == 1).count();
+        let decodes = match cap.chunks_only {
+            true => 0,
+            false => seqs.iter().take_while(|s| s.num_new_tokens() == 1).count(),
+        };
         let prefills = seqs.len() - decodes;
         let samples = seqs.iter().filter(|s| s.samples).count();
         let tiles: usize = seqs[decodes..]

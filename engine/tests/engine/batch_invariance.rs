@@ -1,6 +1,7 @@
 //! Batch-invariant inference (`EngineConfig::batch_invariant`): one probe request's tokens and
 //! log-probabilities, compared bit for bit, alone and in a batch of 64 requests (its steps mixing
-//! decode rows and prefill chunks), preempted and recomputed, and after a prefix-cache hit. The
+//! decode rows and prefill chunks), preempted and recomputed, and after a prefix-cache hit, with
+//! eager steps and with step graphs (emulated on the CPU: their padded forward). The
 //! model is the fixture with the real Qwen2 vocabulary, the device CubeCL's CPU runtime in f32
 //! (`ENGINE_TEST_DEVICE=cuda`: CUDA in bf16). Burn's CPU backend (plain-Burn products, whose
 //! blocking follows the number of rows) refuses the mode.
@@ -42,9 +43,16 @@ fn device() -> DeviceKind {
     }
 }
 
+/// How the steps run: eagerly, or through step graphs (captured on CUDA, emulated elsewhere).
+#[derive(Clone, Copy, Debug)]
+enum Steps {
+    Eager,
+    Graphs,
+}
+
 /// An engine (f32; bf16 on CUDA) with room for 64 sequences and small steps (prefill chunks
 /// of at most 64 tokens, mixed with decode rows); `blocks` KV blocks of 16.
-fn engine(device: DeviceKind, batch_invariant: bool, blocks: usize) -> LLMEngine {
+fn engine(device: DeviceKind, steps: Steps, batch_invariant: bool, blocks: usize) -> LLMEngine {
     let dtype = match device {
         DeviceKind::Cuda(_) => burn::tensor::DType::BF16,
         _ => burn::tensor::DType::F32,
@@ -57,6 +65,8 @@ fn engine(device: DeviceKind, batch_invariant: bool, blocks: usize) -> LLMEngine
         num_kv_blocks: Some(blocks),
         max_model_len: Some(256),
         batch_invariant,
+        enforce_eager: matches!(steps, Steps::Eager),
+        emulate_graphs: matches!(steps, Steps::Graphs),
         ..EngineConfig::default()
     };
     LLMEngine::new(fixture(MODEL), config).unwrap()
@@ -87,15 +97,15 @@ fn trace(done: &Finished) -> Trace {
 }
 
 /// The probe alone.
-fn alone(device: DeviceKind, batch_invariant: bool) -> Trace {
-    let mut e = engine(device, batch_invariant, 1024);
+fn alone(device: DeviceKind, steps: Steps, batch_invariant: bool) -> Trace {
+    let mut e = engine(device, steps, batch_invariant, 1024);
     let id = e.add_request(probe_prompt(), probe_params()).unwrap();
     trace(&drain(&mut e, &[id])[0])
 }
 
 /// The probe added 20th of 64 requests of mixed lengths (4 to 33 tokens each).
-fn in_batch(device: DeviceKind, batch_invariant: bool) -> Trace {
-    let mut e = engine(device, batch_invariant, 1024);
+fn in_batch(device: DeviceKind, steps: Steps, batch_invariant: bool) -> Trace {
+    let mut e = engine(device, steps, batch_invariant, 1024);
     let mut ids = Vec::new();
     let mut probe = None;
     for i in 0..63u32 {
@@ -113,13 +123,21 @@ fn in_batch(device: DeviceKind, batch_invariant: bool) -> Trace {
         stats.steps < 64 * PROBE_TOKENS as u64,
         "the requests shared steps"
     );
+    if matches!(steps, Steps::Graphs) {
+        assert!(
+            stats.graph_steps * 2 > stats.steps,
+            "most steps replayed graphs ({} of {})",
+            stats.graph_steps,
+            stats.steps
+        );
+    }
     trace(&done[20])
 }
 
 /// The probe last of 12 long requests in a pool too small for all of them: it is preempted
 /// and recomputed.
-fn preempted(device: DeviceKind) -> Trace {
-    let mut e = engine(device, true, 24);
+fn preempted(device: DeviceKind, steps: Steps) -> Trace {
+    let mut e = engine(device, steps, true, 24);
     let mut ids: Vec<_> = (0..11u32)
         .map(|i| e.add_request(other_prompt(i * 3 + 1), greedy(40)).unwrap())
         .collect();
@@ -141,8 +159,8 @@ fn preempted(device: DeviceKind) -> Trace {
 
 /// The probe after a request that shares its first two blocks: the probe reads them from the
 /// prefix cache.
-fn after_prefix_hit(device: DeviceKind) -> Trace {
-    let mut e = engine(device, true, 1024);
+fn after_prefix_hit(device: DeviceKind, steps: Steps) -> Trace {
+    let mut e = engine(device, steps, true, 1024);
     let mut first = probe_prompt()[..32].to_vec();
     first.extend([11, 12, 13, 14, 15]);
     let id = e.add_request(first, greedy(3)).unwrap();
@@ -157,19 +175,26 @@ fn after_prefix_hit(device: DeviceKind) -> Trace {
     trace(&done[0])
 }
 
+/// Every case against the probe alone in eager steps.
 fn check(device: DeviceKind) {
-    let reference = alone(device, true);
-    assert_eq!(
-        in_batch(device, true),
-        reference,
-        "{device:?}: in a batch of 64"
-    );
-    assert_eq!(preempted(device), reference, "{device:?}: preempted");
-    assert_eq!(
-        after_prefix_hit(device),
-        reference,
-        "{device:?}: after a prefix-cache hit"
-    );
+    let reference = alone(device, Steps::Eager, true);
+    for steps in [Steps::Eager, Steps::Graphs] {
+        let what = format!("{device:?}, {steps:?}");
+        if matches!(steps, Steps::Graphs) {
+            assert_eq!(alone(device, steps, true), reference, "{what}: alone");
+        }
+        assert_eq!(
+            in_batch(device, steps, true),
+            reference,
+            "{what}: in a batch of 64"
+        );
+        assert_eq!(preempted(device, steps), reference, "{what}: preempted");
+        assert_eq!(
+            after_prefix_hit(device, steps),
+            reference,
+            "{what}: after a prefix-cache hit"
+        );
+    }
 }
 
 #[test]
@@ -180,8 +205,8 @@ fn a_requests_logprobs_do_not_depend_on_its_batch() {
     // and the tiled one in the batch (CPU runtime), and its log-probabilities differ in their
     // last bits. (Were they equal, the comparisons above would prove nothing about the mode.)
     assert_ne!(
-        in_batch(device, false),
-        alone(device, false),
+        in_batch(device, Steps::Eager, false),
+        alone(device, Steps::Eager, false),
         "without batch invariance the batch changes the probe's last bits"
     );
 }
