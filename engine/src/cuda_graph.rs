@@ -168,7 +168,7 @@ impl StepGraphs {
         let chunks_only = model.reduction_order() == ReductionOrder::BatchInvariant;
         let most_seqs = sizes.iter().max().map_or(0, |&t| t.min(max_num_seqs));
         let layout = match chunks_only {
-            true => TableLayout::new(0, most_seqs.max(MAX_PREFILL_CHUNKS), width)?,
+            true => TableLayout::new(0, most_seqs, width)?,
             false => TableLayout::new(most_seqs, MAX_PREFILL_CHUNKS, width)?,
         };
         let c = &model.config;

@@ -105,20 +105,13 @@ impl Qwen2Model {
         let c = &config;
         let (h, i, d) = (c.hidden_size, c.intermediate_size, c.head_dim);
         let (q, kv) = (c.q_size(), c.kv_size());
-        let tp = match &parallel {
-            Some(p) => TpRank::new(p.rank.rank, p.rank.size, c)?,
-            None => TpRank::SINGLE,
-        };
+        let (tp, vocab) = rank_share(parallel.as_ref(), c)?;
         let heads = tp.heads(c);
         let q_rows = heads.start * d..heads.end * d;
         let kv_heads = tp.kv_heads(c);
         let kv_rows = kv_heads.start * d..kv_heads.end * d;
         let inner = tp.intermediate(c);
         let local = tp.local_config(c);
-        let vocab = match &parallel {
-            Some(p) if p.vocab_parallel => tp.vocab(c),
-            _ => 0..c.vocab_size,
-        };
         let embed = ckpt.tensor_part(
             "model.embed_tokens.weight",
             [c.vocab_size, h],
@@ -253,15 +246,8 @@ impl Qwen2Model {
         dtype: DType,
         device: &Device,
     ) -> Result<Self> {
-        let tp = match &parallel {
-            Some(p) => TpRank::new(p.rank.rank, p.rank.size, &config)?,
-            None => TpRank::SINGLE,
-        };
+        let (tp, vocab) = rank_share(parallel.as_ref(), &config)?;
         let local = tp.local_config(&config);
-        let vocab = match &parallel {
-            Some(p) if p.vocab_parallel => tp.vocab(&config),
-            _ => 0..config.vocab_size,
-        };
         Ok(cubecl_kernels::persistent(
             device,
             (local, vocab, parallel),
@@ -505,4 +491,18 @@ impl Qwen2Model {
         }
         h
     }
+}
+
+/// A rank's place (checked against `c`) and the tokens of its embedding and LM head rows: its
+/// [`TpRank::vocab`] share with [`Parallel::vocab_parallel`], else the whole vocabulary.
+fn rank_share(parallel: Option<&Parallel>, c: &Qwen2Config) -> Result<(TpRank, Range<usize>)> {
+    let tp = match parallel {
+        Some(p) => TpRank::new(p.rank.rank, p.rank.size, c)?,
+        None => TpRank::SINGLE,
+    };
+    let vocab = match parallel {
+        Some(p) if p.vocab_parallel => tp.vocab(c),
+        _ => 0..c.vocab_size,
+    };
+    Ok((tp, vocab))
 }

@@ -89,6 +89,21 @@ fn engine(config: EngineConfig) -> LLMEngine {
     e
 }
 
+/// `constraint` drawn greedily (`seed` `None`) or seeded at temperature 1, `max_tokens` long.
+fn constrained(
+    constraint: &StructuredOutput,
+    seed: Option<u64>,
+    max_tokens: usize,
+) -> SamplingParams {
+    SamplingParams {
+        temperature: if seed.is_some() { 1.0 } else { 0.0 },
+        seed,
+        max_tokens,
+        structured_output: Some(constraint.clone()),
+        ..SamplingParams::default()
+    }
+}
+
 fn prompts(e: &LLMEngine) -> Vec<Vec<u32>> {
     [
         "The man said his name was",
@@ -123,13 +138,7 @@ fn constrained_outputs_validate_across_seeds_and_mixed_batches() {
         let mut kinds = Vec::new();
         for (k, constraint) in constraints().into_iter().enumerate() {
             for seed in [None, Some(1), Some(2), Some(3), Some(4)] {
-                let params = SamplingParams {
-                    temperature: if seed.is_some() { 1.0 } else { 0.0 },
-                    seed,
-                    max_tokens: 160,
-                    structured_output: Some(constraint.clone()),
-                    ..SamplingParams::default()
-                };
+                let params = constrained(&constraint, seed, 160);
                 requests.push((
                     prompts[(k + requests.len()) % prompts.len()].clone(),
                     params,
@@ -334,13 +343,7 @@ fn constrained_outputs_under_tensor_parallelism_match_one_rank() {
     let mut requests = Vec::new();
     for (k, constraint) in constraints().into_iter().enumerate() {
         for seed in [None, Some(7)] {
-            let params = SamplingParams {
-                temperature: if seed.is_some() { 1.0 } else { 0.0 },
-                seed,
-                max_tokens: 96,
-                structured_output: Some(constraint.clone()),
-                ..SamplingParams::default()
-            };
+            let params = constrained(&constraint, seed, 96);
             requests.push((prompts[k % prompts.len()].clone(), params));
         }
     }

@@ -20,6 +20,15 @@ fn tp(size: usize, config: EngineConfig) -> EngineConfig {
     }
 }
 
+/// Steps until a step fails; returns its error.
+fn first_error(engine: &mut LLMEngine) -> EngineError {
+    loop {
+        if let Err(e) = engine.step() {
+            return e;
+        }
+    }
+}
+
 /// [`tp`] with the embedding and LM head split by vocabulary rows.
 fn tp_vocab(size: usize, config: EngineConfig) -> EngineConfig {
     EngineConfig {
@@ -242,11 +251,7 @@ fn a_failed_rank_ends_the_engine_and_its_workers() {
         for p in prompts.iter().take(4) {
             engine.add_request(p.clone(), greedy(20)).unwrap();
         }
-        let err = loop {
-            if let Err(e) = engine.step() {
-                break e;
-            }
-        };
+        let err = first_error(&mut engine);
         let unfinished = engine.has_unfinished();
         drop(engine);
         let _ = done.send((err, unfinished));
@@ -286,11 +291,7 @@ fn a_hung_rank_ends_the_engine_within_the_step_timeout() {
         engine
             .stall_worker(1, std::time::Duration::from_secs(600))
             .unwrap();
-        let err = loop {
-            if let Err(e) = engine.step() {
-                break e;
-            }
-        };
+        let err = first_error(&mut engine);
         let waited = start.elapsed();
         drop(engine);
         let _ = done.send((err, waited));

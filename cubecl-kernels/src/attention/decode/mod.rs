@@ -26,9 +26,9 @@
 //! fills the device alone is not split: pieces of at least 1,024 keys for its long contexts
 //! (`BURN_NANOVLLM_DECODE_SPLIT_KEYS`, so that one long sequence among short ones would not set
 //! the launch's time) measured 1–2 % slower end to end and 5 % at 256 × 16k on the H100
-//! (docs/BENCHMARKS.md). Batch-invariant launches (`AttentionMetadata::batch_invariant`) cut
-//! every context by its own length alone (pieces of 512 keys, at most 16), so that a row's
-//! result does not depend on the batch it is in.
+//! (docs/BENCHMARKS.md). Batch-invariant launches (`ReductionOrder::BatchInvariant`, through
+//! `paged_attention_ordered`) cut every context by its own length alone (pieces of 512 keys,
+//! at most 16), so that a row's result does not depend on the batch it is in.
 
 mod mma_group;
 mod row_split;
