@@ -2,6 +2,8 @@
 //!
 //! `benches all --device cuda --out results.json` runs everything; see `--help`.
 
+#[cfg(feature = "cuda")]
+mod all_reduce;
 mod attention;
 mod decode_step;
 mod engine_bench;
@@ -197,6 +199,10 @@ enum Suite {
     /// Structured outputs' host cost: masks and matcher advances per step for `--ms` rows
     /// (default 1,16,64,128,256) over `--output-len` steps; needs `--tokenizer` (no device).
     Grammar,
+    /// Tensor parallelism's sum alone at `--tensor-parallel-size` ranks (one process per GPU):
+    /// exactness and device time per call of messages up to 16 MB (`--dtypes`, default bf16),
+    /// the IPC kernels where they apply (`BURN_NANOVLLM_ALL_REDUCE=nccl`: NCCL only). CUDA only.
+    AllReduce,
     All,
 }
 
@@ -245,6 +251,29 @@ fn main() -> Result<()> {
         tables.push(grammar::run(dir, vocab, rows, cli.output_len)?.json());
     }
     if cli.suite == [Suite::Grammar] {
+        return write_tables(&cli, &tables);
+    }
+    if cli.suite.contains(&Suite::AllReduce) {
+        let dtypes = match cli.dtypes.is_empty() {
+            true => vec![DType::BF16],
+            false => cli
+                .dtypes
+                .iter()
+                .map(|d| parse_dtype(d))
+                .collect::<Result<_>>()?,
+        };
+        #[cfg(feature = "cuda")]
+        {
+            all_reduce::serve_if_worker(&dtypes);
+            tables.push(all_reduce::run(cli.tensor_parallel_size, &dtypes)?.json());
+        }
+        #[cfg(not(feature = "cuda"))]
+        anyhow::bail!(
+            "the all-reduce suite needs a CUDA build ({} dtypes)",
+            dtypes.len()
+        );
+    }
+    if cli.suite == [Suite::AllReduce] {
         return write_tables(&cli, &tables);
     }
     let device = cli.device.device()?;

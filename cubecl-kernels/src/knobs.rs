@@ -48,6 +48,18 @@ pub(crate) struct Knobs {
     /// `BURN_NANOVLLM_SAMPLE_FILL=cubes`: cubes per multiprocessor the sampler's row splits
     /// aim for (0: one cube per row).
     pub sample_fill: Option<usize>,
+    /// `BURN_NANOVLLM_ALL_REDUCE=nccl`: tensor parallelism's sums through NCCL at every size
+    /// (no IPC kernels).
+    pub all_reduce_nccl_only: bool,
+    /// `BURN_NANOVLLM_ALL_REDUCE=pull`: the IPC kernels read their peers' buffers instead of
+    /// writing their data into them.
+    pub all_reduce_pull: bool,
+    /// `BURN_NANOVLLM_ALL_REDUCE_ONE_SHOT_MAX=bytes`: the one-shot IPC kernel up to `bytes` at
+    /// 3 ranks or more (default 512 KiB; the two-shot kernel beyond).
+    pub all_reduce_one_shot_max: Option<usize>,
+    /// `BURN_NANOVLLM_ALL_REDUCE_BLOCKS=cubes`: cubes of the IPC kernels at most (default: one
+    /// per multiprocessor, at most 128).
+    pub all_reduce_blocks: Option<usize>,
 }
 
 impl Knobs {
@@ -77,6 +89,11 @@ impl Knobs {
             decode_split_keys: numbers("BURN_NANOVLLM_DECODE_SPLIT_KEYS").map(|[k]| k),
             sample_units: numbers("BURN_NANOVLLM_SAMPLE_UNITS").map(|[u]| u),
             sample_fill: numbers("BURN_NANOVLLM_SAMPLE_FILL").map(|[c]| c),
+            all_reduce_nccl_only: std::env::var("BURN_NANOVLLM_ALL_REDUCE")
+                .is_ok_and(|v| v == "nccl"),
+            all_reduce_pull: std::env::var("BURN_NANOVLLM_ALL_REDUCE").is_ok_and(|v| v == "pull"),
+            all_reduce_one_shot_max: numbers("BURN_NANOVLLM_ALL_REDUCE_ONE_SHOT_MAX").map(|[b]| b),
+            all_reduce_blocks: numbers("BURN_NANOVLLM_ALL_REDUCE_BLOCKS").map(|[c]| c),
         }
     }
 }

@@ -358,6 +358,10 @@ impl Qwen2Model {
             layer.mlp.down_proj.order = order;
         }
         self.lm_head.order = order;
+        if let Some(p) = self.parallel() {
+            p.all_reduce
+                .set_fixed_order(order == ReductionOrder::BatchInvariant);
+        }
     }
 
     /// How the model's products reduce ([`Self::set_reduction_order`]).

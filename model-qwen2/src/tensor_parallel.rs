@@ -144,6 +144,12 @@ pub trait AllReduce: Send + Sync + Debug {
     /// such as the KV pool's blocks).
     fn min(&self, value: usize) -> usize;
 
+    /// With `fixed`, every sum adds the ranks' terms in one order whatever the message's size
+    /// (batch-invariant inference); transports that always do need nothing.
+    fn set_fixed_order(&self, fixed: bool) {
+        let _ = fixed;
+    }
+
     /// Ends the group for every rank because this one failed (`reason`): the others' pending
     /// and later sums fail instead of waiting for it forever.
     fn abort(&self, reason: &str);
@@ -358,6 +364,13 @@ impl AllReduce for NcclAllReduce {
             .convert::<f32>()
             .as_slice::<f32>()
             .expect("f32")[0] as usize
+    }
+
+    fn set_fixed_order(&self, fixed: bool) {
+        self.comm.set_fixed_order(fixed);
+        if let Some(comm) = &self.outside_graphs {
+            comm.set_fixed_order(fixed);
+        }
     }
 
     fn abort(&self, reason: &str) {

@@ -66,7 +66,8 @@ fn engine(device: DeviceKind, steps: Steps, batch_invariant: bool, blocks: usize
         max_model_len: Some(256),
         batch_invariant,
         enforce_eager: matches!(steps, Steps::Eager),
-        emulate_graphs: matches!(steps, Steps::Graphs),
+        // CUDA captures real graphs; the CPU runtime emulates them.
+        emulate_graphs: matches!(steps, Steps::Graphs) && !matches!(device, DeviceKind::Cuda(_)),
         ..EngineConfig::default()
     };
     LLMEngine::new(fixture(MODEL), config).unwrap()

@@ -9,6 +9,12 @@
 //! cubecl-cuda, which hands the stream out; built against the published crate the op is
 //! refused. Every rank must issue the same collectives in the same order (NCCL's contract); a
 //! rank that stops makes the others wait, which the engine's watchdog bounds.
+//!
+//! Sums of up to a few MB take the group's own kernels instead of NCCL's ([`peer`]: every rank
+//! reads its peers' buffers through CUDA IPC), where the group could set them up;
+//! `BURN_NANOVLLM_ALL_REDUCE=nccl` keeps NCCL for every size.
+
+mod peer;
 
 use std::fmt;
 use std::sync::Arc;
@@ -22,6 +28,10 @@ use burn_cubecl::tensor::CubeTensor;
 use cudarc::nccl::{result as nccl, sys};
 
 use crate::KernelError;
+use crate::knobs::Knobs;
+#[cfg(cubecl_cuda_stream)]
+use peer::Elem;
+use peer::PeerBuffers;
 
 #[cfg(cubecl_cuda_stream)]
 type CudaServer = <cubecl::cuda::CudaRuntime as cubecl_runtime::runtime::Runtime>::Server;
@@ -79,6 +89,11 @@ pub struct NcclComm {
     size: usize,
     aborted: std::sync::atomic::AtomicBool,
     reason: std::sync::Mutex<String>,
+    /// The group's IPC buffers and kernels for sums up to a few MB (absent: NCCL for all).
+    peer: Option<PeerBuffers>,
+    /// Sums of every size through the IPC kernels (in pieces), for one summation order.
+    #[cfg_attr(not(cubecl_cuda_stream), allow(dead_code))]
+    fixed_order: std::sync::atomic::AtomicBool,
 }
 
 // SAFETY: an NCCL communicator may be used from any thread as long as calls on it are not
@@ -95,7 +110,8 @@ impl fmt::Debug for NcclComm {
 
 impl NcclComm {
     /// Joins group `id` as `rank` of `size` on CUDA device `index` (as CubeCL numbers them; a
-    /// process should see only its own GPU). Blocks until every rank has joined.
+    /// process should see only its own GPU), and sets up the group's IPC buffers for small sums
+    /// with the other ranks. Blocks until every rank has joined.
     pub fn join(
         id: NcclId,
         rank: usize,
@@ -111,13 +127,19 @@ impl NcclComm {
         let client = <cubecl::cuda::CudaRuntime as cubecl_runtime::runtime::Runtime>::client(
             &cubecl::cuda::CudaDevice { index },
         );
-        let made = client
+        let with_peers = !Knobs::get().all_reduce_nccl_only;
+        let (made, peer) = client
             .exclusive(move || {
                 let mut comm = std::ptr::null_mut();
                 // SAFETY: `comm` is a valid out-pointer; the id is shared by all ranks.
                 unsafe { nccl::comm_init_rank(&mut comm, size as i32, id.0, rank as i32) }
-                    .map(|_| comm as usize)
-                    .map_err(|e| format!("ncclCommInitRank: {e:?}"))
+                    .map_err(|e| format!("ncclCommInitRank: {e:?}"))?;
+                let peer = match with_peers {
+                    // SAFETY: the communicator was just made, on this thread.
+                    true => unsafe { PeerBuffers::exchange(comm, rank, size)? },
+                    false => None,
+                };
+                Ok::<_, String>((comm as usize, peer))
             })
             .map_err(|e| KernelError::invalid(format!("exclusive: {e:?}")))?
             .map_err(KernelError::invalid)?;
@@ -127,6 +149,8 @@ impl NcclComm {
             size,
             aborted: std::sync::atomic::AtomicBool::new(false),
             reason: std::sync::Mutex::new(String::new()),
+            peer,
+            fixed_order: std::sync::atomic::AtomicBool::new(false),
         }))
     }
 
@@ -140,6 +164,20 @@ impl NcclComm {
         self.size
     }
 
+    /// Whether sums of up to a few MB take the group's own IPC kernels rather than NCCL.
+    pub fn has_peer_all_reduce(&self) -> bool {
+        self.peer.is_some()
+    }
+
+    /// With `fixed`, sums larger than the IPC kernels' buffers go through them in pieces
+    /// instead of through NCCL, so that every element is summed in rank order in f32 whatever
+    /// the message's size (batch-invariant inference). Without the IPC kernels, NCCL's order
+    /// stays (fixed for one size, not across sizes). Every rank must set the same.
+    pub fn set_fixed_order(&self, fixed: bool) {
+        self.fixed_order
+            .store(fixed, std::sync::atomic::Ordering::Release);
+    }
+
     /// Ends the group (a peer died or this rank failed, `reason`): later collectives are
     /// refused at once, and NCCL is told to abort the ones in flight, on a thread of its own
     /// (the abort may wait for the device); returns at once.
@@ -148,6 +186,9 @@ impl NcclComm {
             return;
         }
         *self.reason.lock().unwrap_or_else(|e| e.into_inner()) = reason.to_string();
+        if let Some(peer) = &self.peer {
+            peer.abort();
+        }
         let comm = self.comm as usize;
         std::thread::spawn(move || {
             // SAFETY: communicators are never destroyed (type doc), and this one is aborted
@@ -281,9 +322,24 @@ fn enqueue_all_reduce(
     let ptr = resource.resource().ptr;
     let stream = resource.resource().stream as usize;
     let comm_ptr = comm.comm as usize;
+    let bytes = count * x.dtype.size();
+    let elem = match x.dtype {
+        DType::BF16 => Elem::Bf16,
+        DType::F16 => Elem::F16,
+        _ => Elem::F32,
+    };
+    let group = comm.clone();
+    let fixed_order = comm.fixed_order.load(std::sync::atomic::Ordering::Acquire);
     let result = x
         .client
         .exclusive(move || {
+            if let (Some(peer), Reduction::Sum) = (&group.peer, reduction) {
+                // SAFETY: on the device thread; `ptr` is `bytes` bytes pinned by `resource`
+                // until the kernel is enqueued; every rank makes the same calls in order.
+                if unsafe { peer.enqueue(ptr, bytes, elem, stream as _, fixed_order)? } {
+                    return Ok(());
+                }
+            }
             // SAFETY: `ptr` is `count` elements of `data_type`, pinned by `resource` until the
             // call is enqueued; the communicator outlives the call (held by the op).
             unsafe {
