@@ -9,6 +9,7 @@ mod decode_step;
 mod engine_bench;
 mod grammar;
 mod host_profile;
+mod invariance_probe;
 mod isolation;
 mod linear;
 mod record;
@@ -171,6 +172,9 @@ struct Cli {
     /// Latency suite: untimed iterations first.
     #[arg(long, default_value_t = 1)]
     warmup_iters: usize,
+    /// Invariance suite: rounds of the probe beside a flood of `--num-prompts` requests.
+    #[arg(long, default_value_t = 20)]
+    rounds: usize,
     /// Serve, throughput and latency suites: seed of prompts (and arrivals).
     #[arg(long, default_value_t = 0)]
     seed: u64,
@@ -196,6 +200,11 @@ enum Suite {
     /// bounds (slow grammar compiles, 256 stop strings, 1 MB prompts, n = 64), over HTTP:
     /// against `--url` or the in-process server (needs a tokenizer: `--model` or `--tokenizer`).
     Isolation,
+    /// One greedy request alone, then beside a flood of `--num-prompts` random requests
+    /// (`--input-len`, `--output-len`, `--random-range-ratio`), `--rounds` times: how many rounds
+    /// give the same text (run with and without `--batch-invariant`). Against `--url` or the
+    /// in-process server (needs a tokenizer: `--model` or `--tokenizer`).
+    Invariance,
     /// Structured outputs' host cost: masks and matcher advances per step for `--ms` rows
     /// (default 1,16,64,128,256) over `--output-len` steps; needs `--tokenizer` (no device).
     Grammar,
@@ -354,7 +363,9 @@ fn main() -> Result<()> {
         );
     }
     let isolation = cli.suite.contains(&Suite::Isolation);
-    let in_process_serve = (cli.suite.contains(&Suite::Serve) || isolation) && cli.url.is_none();
+    let probe = cli.suite.contains(&Suite::Invariance);
+    let in_process_serve =
+        (cli.suite.contains(&Suite::Serve) || isolation || probe) && cli.url.is_none();
     let engine_suites = [
         Suite::Nano,
         Suite::Throughput,
@@ -441,6 +452,8 @@ fn main() -> Result<()> {
             // per thread), as the server does.
             let (model, config) = (setup.model.to_string(), setup.config.clone());
             let (dir, engine) = (setup.dir.map(|d| d.to_path_buf()), setup.engine.clone());
+            // The probe's requests are text: the random-weight engine gets the tokenizer.
+            let tokenizer = cli.tokenizer.clone().filter(|_| probe);
             let make = move || {
                 let setup = engine_bench::EngineSetup {
                     model: &model,
@@ -448,13 +461,13 @@ fn main() -> Result<()> {
                     dir: dir.as_deref(),
                     engine,
                     host_profile: false,
-                    tokenizer: None,
+                    tokenizer: tokenizer.as_deref(),
                     json_fraction: 0.0,
                 };
                 engine_bench::build_engine(&setup)
                     .map_err(|e| burn_nanovllm::LlmError::Invalid(format!("{e:#}")))
             };
-            serve_target = Some(if cli.http || isolation {
+            serve_target = Some(if cli.http || isolation || probe {
                 serve_bench::Target::Url(serve_bench::spawn_server(make)?)
             } else {
                 let (metrics, _) = burn_nanovllm::server::Metrics::new();
@@ -476,6 +489,22 @@ fn main() -> Result<()> {
             anyhow::bail!("the isolation suite needs a server: --url, or an engine suite's model");
         };
         tables.push(isolation::run(url)?.json());
+    }
+    if probe {
+        let Some(serve_bench::Target::Url(url)) = &serve_target else {
+            anyhow::bail!("the invariance suite needs a server: --url, or an engine suite's model");
+        };
+        let probe = invariance_probe::Probe {
+            url,
+            flood: cli.num_prompts,
+            rounds: cli.rounds,
+            input_len: cli.input_len,
+            output_len: cli.output_len,
+            range_ratio: cli.random_range_ratio,
+            vocab: serve_vocab,
+            seed: cli.seed,
+        };
+        tables.push(invariance_probe::run(&probe)?.json());
     }
     if let Some(target) = serve_target.filter(|_| cli.suite.contains(&Suite::Serve)) {
         let workload = serve_bench::ServeWorkload {

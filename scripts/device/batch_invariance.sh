@@ -7,6 +7,10 @@
 #   batch_invariance.sh cost MODEL...   (dist-b/benches.xz): bench.py, 1,000 x (528 + 136)
 #       +-90 % and one request of 512 + 128, each with and without --batch-invariant, back to
 #       back, random weights of each model's config.
+#   batch_invariance.sh probe MODEL...   (dist-b/benches.xz, fixtures/qwen2-tokenizer): the
+#       in-process server on random weights; one greedy request (with log-probabilities) alone,
+#       then beside a flood of 300 random requests, 20 rounds; with and without
+#       --batch-invariant: how many rounds give the alone text and log-probabilities.
 # Logs go to $OUT.
 set -uo pipefail
 source "$(dirname "$0")/unpack.sh"
@@ -31,6 +35,19 @@ case "$mode" in
             --out "$OUT/$name.json" > "$OUT/$name.log" 2>&1
           echo "exit $?"; grep -E "^$model" "$OUT/$name.log" | tail -n 1 | cut -d, -f1-8
         done
+      done
+    done
+    ;;
+  probe)
+    for model in "$@"; do
+      for flag in "" --batch-invariant; do
+        name="probe-$model${flag:+-invariant}"
+        echo "== $name"
+        # shellcheck disable=SC2086
+        timeout 280 /tmp/bin/benches invariance --device cuda --dummy "$model" $flag \
+          --tokenizer fixtures/qwen2-tokenizer --num-prompts 300 --rounds 20 --input-len 256 \
+          --output-len 64 --out "$OUT/$name.json" > "$OUT/$name.log" 2>&1
+        echo "exit $?"; grep -E "^total" "$OUT/$name.log"
       done
     done
     ;;

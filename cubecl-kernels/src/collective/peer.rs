@@ -1,10 +1,10 @@
-//! The group's own all-reduce for messages up to a few MB: every rank reads its peers' buffers
-//! through CUDA IPC and sums them in one kernel (`peer_all_reduce.cu`), as vLLM's and SGLang's
-//! custom all-reduce do; NCCL's ring or tree costs 2–3 × more at decode sizes (measured: 39–53 µs
-//! for 0.5–4 MB at 4 ranks).
+//! The group's own all-reduce for messages up to a few MB, as vLLM's and SGLang's custom
+//! all-reduce: every rank writes its data into its peers' buffers through CUDA IPC and sums what
+//! it received in one kernel (`peer_all_reduce.cu`). Measured at 4 ranks on H200, bf16: 11.7–14.4
+//! µs for 0.5–1 MB and 33.5 µs for 4 MB, where NCCL takes 18–25 and 46.9 µs.
 //!
-//! Set-up (once, at [`super::NcclComm::join`]): each rank allocates one buffer (signals, two data
-//! buffers, scratch), exports its IPC handle, the handles are all-gathered over the NCCL
+//! Set-up (once, at [`super::NcclComm::join`]): each rank allocates one buffer (signals and the
+//! kernels' regions), exports its IPC handle, the handles are all-gathered over the NCCL
 //! communicator, and each rank opens its peers'. The group uses the kernel only if every rank
 //! succeeded (one more all-gather of a flag), so ranks never disagree on the path. Legacy CUDA
 //! IPC works between processes that each see only their own GPU (measured on 2 × H200).
@@ -424,4 +424,42 @@ unsafe fn all_gather_bytes(
         let _ = cu::cuMemFree_v2(recv);
     }
     Ok(all)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn group(size: usize, pull: bool) -> PeerBuffers {
+        PeerBuffers {
+            rank: 0,
+            size,
+            bases: [0; MAX_RANKS],
+            abort_device: 0,
+            abort_host: 0,
+            kernels: [[0; 4]; 3],
+            blocks: 132,
+            pull,
+        }
+    }
+
+    #[test]
+    fn messages_take_the_kernel_their_size_and_the_group_call_for() {
+        let (two, four) = (group(2, false), group(4, false));
+        // A decode step's sums: [rows, hidden] bf16.
+        assert_eq!(four.shot(64 * 3584 * 2), Some(Shot::PushOne));
+        assert_eq!(four.shot(256 * 8192 * 2), Some(Shot::PushTwo));
+        assert_eq!(two.shot(256 * 8192 * 2), Some(Shot::PushOne));
+        assert_eq!(group(4, true).shot(256 * 8192 * 2), Some(Shot::PullTwo));
+        assert_eq!(group(4, true).shot(4096), Some(Shot::PullOne));
+        // Beyond the buffers, not whole 16-byte vectors, or empty: NCCL's.
+        assert_eq!(four.shot(CAPACITY + 16), None);
+        assert_eq!(four.shot(7 * 2), None);
+        assert_eq!(four.shot(0), None);
+        // Above the one-shot size but not splittable into 4 whole-vector parts: one-shot while
+        // 4 copies fit its region, else NCCL.
+        assert_eq!(four.shot(ONE_SHOT_MAX + 16), Some(Shot::PushOne));
+        assert_eq!(four.shot(2 * CAPACITY / 4 + 16), None);
+        assert_eq!(four.shot(CAPACITY), Some(Shot::PushTwo));
+    }
 }
