@@ -10,6 +10,7 @@ use anyhow::{Context, Result, bail};
 use serde_json::{Value, json};
 
 use crate::report::Report;
+use crate::serve_bench::post_completion;
 use crate::workload::random_requests;
 
 /// The flood and the rounds.
@@ -38,12 +39,7 @@ fn probe_body(max_tokens: usize) -> Value {
 
 /// The first choice of a completion: `(text, logprobs)`.
 async fn complete(client: &reqwest::Client, url: &str, body: &Value) -> Result<(String, Value)> {
-    let r = client
-        .post(format!("{url}/v1/completions"))
-        .json(body)
-        .send()
-        .await
-        .context("request")?;
+    let r = post_completion(client, url, body).await?;
     let status = r.status();
     let v: Value = r.json().await.context("response body")?;
     if !status.is_success() {

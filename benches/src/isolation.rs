@@ -10,10 +10,11 @@
 
 use std::time::{Duration, Instant};
 
-use anyhow::{Context, Result, bail};
+use anyhow::{Result, bail};
 use serde_json::{Value, json};
 
 use crate::report::{Report, percentile};
+use crate::serve_bench::post_completion;
 
 /// Hostile requests of one kind in flight at once.
 const HOSTILE: usize = 4;
@@ -94,12 +95,7 @@ fn plain() -> Value {
 }
 
 async fn post(client: &reqwest::Client, url: &str, body: &Value) -> Result<u16> {
-    let r = client
-        .post(format!("{url}/v1/completions"))
-        .json(body)
-        .send()
-        .await
-        .context("request")?;
+    let r = post_completion(client, url, body).await?;
     let status = r.status().as_u16();
     let _ = r.bytes().await;
     Ok(status)

@@ -297,6 +297,19 @@ async fn one_in_process(
     clock.finish(tokens)
 }
 
+/// Sends `body` to the server's `/v1/completions`; the response, whatever its status.
+pub async fn post_completion(
+    http: &reqwest::Client,
+    url: &str,
+    body: &serde_json::Value,
+) -> Result<reqwest::Response> {
+    http.post(format!("{url}/v1/completions"))
+        .json(body)
+        .send()
+        .await
+        .with_context(|| format!("POST {url}/v1/completions"))
+}
+
 /// One streamed `/v1/completions` request.
 async fn one_http(
     http: &reqwest::Client,
@@ -309,12 +322,7 @@ async fn one_http(
         "stream": true, "stream_options": {"include_usage": true},
     });
     let mut clock = StreamClock::start();
-    let mut resp = http
-        .post(format!("{url}/v1/completions"))
-        .json(&body)
-        .send()
-        .await
-        .with_context(|| format!("POST {url}/v1/completions"))?;
+    let mut resp = post_completion(http, url, &body).await?;
     if !resp.status().is_success() {
         bail!(
             "{}: {}",
