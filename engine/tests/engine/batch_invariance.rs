@@ -50,9 +50,18 @@ enum Steps {
     Graphs,
 }
 
+/// Where and how an engine runs: its device, its steps, and its tensor-parallel ranks.
+#[derive(Clone, Copy, Debug)]
+struct Run {
+    device: DeviceKind,
+    steps: Steps,
+    tp: usize,
+}
+
 /// An engine (f32; bf16 on CUDA) with room for 64 sequences and small steps (prefill chunks
 /// of at most 64 tokens, mixed with decode rows); `blocks` KV blocks of 16.
-fn engine(device: DeviceKind, steps: Steps, batch_invariant: bool, blocks: usize) -> LLMEngine {
+fn engine(run: Run, batch_invariant: bool, blocks: usize) -> LLMEngine {
+    let Run { device, steps, tp } = run;
     let dtype = match device {
         DeviceKind::Cuda(_) => burn::tensor::DType::BF16,
         _ => burn::tensor::DType::F32,
@@ -65,6 +74,7 @@ fn engine(device: DeviceKind, steps: Steps, batch_invariant: bool, blocks: usize
         num_kv_blocks: Some(blocks),
         max_model_len: Some(256),
         batch_invariant,
+        tensor_parallel_size: tp,
         enforce_eager: matches!(steps, Steps::Eager),
         // CUDA captures real graphs; the CPU runtime emulates them.
         emulate_graphs: matches!(steps, Steps::Graphs) && !matches!(device, DeviceKind::Cuda(_)),
@@ -98,15 +108,15 @@ fn trace(done: &Finished) -> Trace {
 }
 
 /// The probe alone.
-fn alone(device: DeviceKind, steps: Steps, batch_invariant: bool) -> Trace {
-    let mut e = engine(device, steps, batch_invariant, 1024);
+fn alone(run: Run, batch_invariant: bool) -> Trace {
+    let mut e = engine(run, batch_invariant, 1024);
     let id = e.add_request(probe_prompt(), probe_params()).unwrap();
     trace(&drain(&mut e, &[id])[0])
 }
 
 /// The probe added 20th of 64 requests of mixed lengths (4 to 33 tokens each).
-fn in_batch(device: DeviceKind, steps: Steps, batch_invariant: bool) -> Trace {
-    let mut e = engine(device, steps, batch_invariant, 1024);
+fn in_batch(run: Run, batch_invariant: bool) -> Trace {
+    let mut e = engine(run, batch_invariant, 1024);
     let mut ids = Vec::new();
     let mut probe = None;
     for i in 0..63u32 {
@@ -124,7 +134,7 @@ fn in_batch(device: DeviceKind, steps: Steps, batch_invariant: bool) -> Trace {
         stats.steps < 64 * PROBE_TOKENS as u64,
         "the requests shared steps"
     );
-    if matches!(steps, Steps::Graphs) {
+    if matches!(run.steps, Steps::Graphs) {
         assert!(
             stats.graph_steps * 2 > stats.steps,
             "most steps replayed graphs ({} of {})",
@@ -137,8 +147,8 @@ fn in_batch(device: DeviceKind, steps: Steps, batch_invariant: bool) -> Trace {
 
 /// The probe last of 12 long requests in a pool too small for all of them: it is preempted
 /// and recomputed.
-fn preempted(device: DeviceKind, steps: Steps) -> Trace {
-    let mut e = engine(device, steps, true, 24);
+fn preempted(run: Run) -> Trace {
+    let mut e = engine(run, true, 24);
     let mut ids: Vec<_> = (0..11u32)
         .map(|i| e.add_request(other_prompt(i * 3 + 1), greedy(40)).unwrap())
         .collect();
@@ -160,8 +170,8 @@ fn preempted(device: DeviceKind, steps: Steps) -> Trace {
 
 /// The probe after a request that shares its first two blocks: the probe reads them from the
 /// prefix cache.
-fn after_prefix_hit(device: DeviceKind, steps: Steps) -> Trace {
-    let mut e = engine(device, steps, true, 1024);
+fn after_prefix_hit(run: Run) -> Trace {
+    let mut e = engine(run, true, 1024);
     let mut first = probe_prompt()[..32].to_vec();
     first.extend([11, 12, 13, 14, 15]);
     let id = e.add_request(first, greedy(3)).unwrap();
@@ -178,20 +188,22 @@ fn after_prefix_hit(device: DeviceKind, steps: Steps) -> Trace {
 
 /// Every case against the probe alone in eager steps.
 fn check(device: DeviceKind) {
-    let reference = alone(device, Steps::Eager, true);
+    let eager = Run {
+        device,
+        steps: Steps::Eager,
+        tp: 1,
+    };
+    let reference = alone(eager, true);
     for steps in [Steps::Eager, Steps::Graphs] {
+        let run = Run { steps, ..eager };
         let what = format!("{device:?}, {steps:?}");
         if matches!(steps, Steps::Graphs) {
-            assert_eq!(alone(device, steps, true), reference, "{what}: alone");
+            assert_eq!(alone(run, true), reference, "{what}: alone");
         }
+        assert_eq!(in_batch(run, true), reference, "{what}: in a batch of 64");
+        assert_eq!(preempted(run), reference, "{what}: preempted");
         assert_eq!(
-            in_batch(device, steps, true),
-            reference,
-            "{what}: in a batch of 64"
-        );
-        assert_eq!(preempted(device, steps), reference, "{what}: preempted");
-        assert_eq!(
-            after_prefix_hit(device, steps),
+            after_prefix_hit(run),
             reference,
             "{what}: after a prefix-cache hit"
         );
@@ -205,11 +217,30 @@ fn a_requests_logprobs_do_not_depend_on_its_batch() {
     // The control: without the mode, the probe's decode rows take the skinny kernel alone
     // and the tiled one in the batch (CPU runtime), and its log-probabilities differ in their
     // last bits. (Were they equal, the comparisons above would prove nothing about the mode.)
+    let eager = Run {
+        device,
+        steps: Steps::Eager,
+        tp: 1,
+    };
     assert_ne!(
-        in_batch(device, Steps::Eager, false),
-        alone(device, Steps::Eager, false),
+        in_batch(eager, false),
+        alone(eager, false),
         "without batch invariance the batch changes the probe's last bits"
     );
+}
+
+/// Under tensor parallelism (2 ranks as threads on CubeCL's CPU runtime, the sum in rank
+/// order) too: alone, in a batch of 64 and preempted, eager steps.
+#[test]
+fn under_tensor_parallelism_too_a_requests_logprobs_do_not_depend_on_its_batch() {
+    let run = Run {
+        device: DeviceKind::CubeclCpu,
+        steps: Steps::Eager,
+        tp: 2,
+    };
+    let reference = alone(run, true);
+    assert_eq!(in_batch(run, true), reference, "TP 2: in a batch of 64");
+    assert_eq!(preempted(run), reference, "TP 2: preempted");
 }
 
 #[test]
