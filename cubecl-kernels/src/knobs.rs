@@ -57,6 +57,10 @@ pub(crate) struct Knobs {
     /// `BURN_NANOVLLM_ALL_REDUCE_ONE_SHOT_MAX=bytes`: the one-shot IPC kernel up to `bytes` at
     /// 3 ranks or more (default 512 KiB; the two-shot kernel beyond).
     pub all_reduce_one_shot_max: Option<usize>,
+    /// `BURN_NANOVLLM_INVARIANT_SPLIT_K=1`: batch-invariant cuBLASLt plans may split K (the
+    /// reference shape's pick with its split count and a separate reduction of the parts, kept
+    /// for every M; never the in-place reduction), instead of no split.
+    pub invariant_split_k: bool,
     /// `BURN_NANOVLLM_ALL_REDUCE_BLOCKS=cubes`: cubes of the IPC kernels at most (default: one
     /// per multiprocessor, at most 128).
     pub all_reduce_blocks: Option<usize>,
@@ -93,6 +97,8 @@ impl Knobs {
                 .is_ok_and(|v| v == "nccl"),
             all_reduce_pull: std::env::var("BURN_NANOVLLM_ALL_REDUCE").is_ok_and(|v| v == "pull"),
             all_reduce_one_shot_max: numbers("BURN_NANOVLLM_ALL_REDUCE_ONE_SHOT_MAX").map(|[b]| b),
+            invariant_split_k: std::env::var("BURN_NANOVLLM_INVARIANT_SPLIT_K")
+                .is_ok_and(|v| v == "1"),
             all_reduce_blocks: numbers("BURN_NANOVLLM_ALL_REDUCE_BLOCKS").map(|[c]| c),
         }
     }

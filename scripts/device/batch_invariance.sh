@@ -11,7 +11,8 @@
 #       in-process server on random weights; one greedy request (with log-probabilities) alone,
 #       then beside a flood of 300 random requests, 20 rounds; with and without
 #       --batch-invariant: how many rounds give the alone text and log-probabilities.
-# Logs go to $OUT.
+# $TAG is added to the log names (e.g. TAG=split-k with BURN_NANOVLLM_INVARIANT_SPLIT_K=1, the
+# invariant cuBLASLt plans allowed to split K). Logs go to $OUT.
 set -uo pipefail
 source "$(dirname "$0")/unpack.sh"
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader
@@ -25,7 +26,7 @@ case "$mode" in
   cost)
     for model in "$@"; do
       for flag in "" --batch-invariant; do
-        tag="$model${flag:+-invariant}"
+        tag="$model${flag:+-invariant}${TAG:+-$TAG}"
         for suite in nano "throughput --num-prompts 1000 --input-len 528 --output-len 136 --random-range-ratio 0.9" \
           "latency --input-len 512 --output-len 128 --batch-size 1 --iters 3"; do
           name="${suite%% *}-$tag"
@@ -41,7 +42,7 @@ case "$mode" in
   probe)
     for model in "$@"; do
       for flag in "" --batch-invariant; do
-        name="probe-$model${flag:+-invariant}"
+        name="probe-$model${flag:+-invariant}${TAG:+-$TAG}"
         echo "== $name"
         # shellcheck disable=SC2086
         timeout 280 /tmp/bin/benches invariance --device cuda --dummy "$model" $flag \

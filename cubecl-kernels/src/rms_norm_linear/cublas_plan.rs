@@ -7,6 +7,8 @@
 use burn::tensor::DType;
 use cudarc::cublaslt::{result as lt, sys};
 
+use crate::knobs::Knobs;
+
 /// Workspace handed to every cuBLASLt call (what its split-K algorithms may use).
 pub(super) const WORKSPACE_BYTES: usize = 32 << 20;
 
@@ -151,9 +153,17 @@ impl Plan {
             )
             .and_then(|()| {
                 if key.invariant {
-                    let none =
-                        sys::cublasLtReductionScheme_t::CUBLASLT_REDUCTION_SCHEME_NONE as u32;
-                    set_pref(pref, P::CUBLASLT_MATMUL_PREF_REDUCTION_SCHEME_MASK, &none)
+                    // No split of K; or (a knob, to measure) a split whose parts are reduced
+                    // apart in a fixed order, never in place.
+                    use sys::cublasLtReductionScheme_t as R;
+                    let mask = match Knobs::get().invariant_split_k {
+                        false => R::CUBLASLT_REDUCTION_SCHEME_NONE as u32,
+                        true => {
+                            R::CUBLASLT_REDUCTION_SCHEME_COMPUTE_TYPE as u32
+                                | R::CUBLASLT_REDUCTION_SCHEME_OUTPUT_TYPE as u32
+                        }
+                    };
+                    set_pref(pref, P::CUBLASLT_MATMUL_PREF_REDUCTION_SCHEME_MASK, &mask)
                 } else {
                     Ok(())
                 }
