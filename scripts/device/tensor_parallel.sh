@@ -23,6 +23,9 @@
 #       in the same call for ours beside it.
 #   tensor_parallel.sh kill MODEL   (dist-b/benches.xz): bench.py at TP 2, a worker killed with
 #       SIGKILL mid-run; how long rank 0 takes to end, and with what error.
+#   tensor_parallel.sh early-exit   (dist/burn-nanovllm.xz, models/tiny-english): rank 1 given a
+#       GPU that does not exist (CUDA_VISIBLE_DEVICES=0,99) exits before the group forms; rank 0
+#       must end with an error naming it, not wait.
 # Logs go to $OUT. NCCL_NVLS_ENABLE=0 (NVLink multicast off) in every process.
 set -uo pipefail
 source "$(dirname "$0")/unpack.sh"
@@ -106,6 +109,12 @@ case "$mode" in
       echo "exit $? after $(( $(date +%s) - start )) s"
       tail -n 3 "$OUT/vllm-$model-tp$tp.log"
     done
+    ;;
+  early-exit)
+    t0=$(date +%s%N)
+    CUDA_VISIBLE_DEVICES=0,99 timeout 120 /tmp/bin/burn-nanovllm generate --device cuda -tp 2 \
+      --max-tokens 4 --no-progress --prompt "Once upon a time" > "$OUT/early-exit.log" 2>&1
+    echo "exit $? after $(( ($(date +%s%N) - t0) / 1000000 )) ms"; tail -n 3 "$OUT/early-exit.log"
     ;;
   kill)
     model=${1:-qwen2-7b}

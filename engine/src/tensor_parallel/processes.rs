@@ -216,10 +216,23 @@ pub(crate) fn spawn(
             .map_err(|e| EngineError::Device(format!("tensor-parallel rank {rank}: {e}")))?;
         workers.push((rank, child, stdin));
     }
-    let comm = cubecl_kernels::NcclComm::join(id, 0, size, index)?;
-    let outside_graphs = match outside_graphs_id {
-        Some(id) => Some(cubecl_kernels::NcclComm::join(id, 0, size, index)?),
-        None => None,
+    let joined = join_watching(&mut workers, move || {
+        let comm = cubecl_kernels::NcclComm::join(id, 0, size, index)?;
+        let outside_graphs = match outside_graphs_id {
+            Some(id) => Some(cubecl_kernels::NcclComm::join(id, 0, size, index)?),
+            None => None,
+        };
+        Ok((comm, outside_graphs))
+    });
+    let (comm, outside_graphs) = match joined {
+        Ok(joined) => joined,
+        Err(e) => {
+            for (_, child, _) in &mut workers {
+                let _ = child.kill();
+                let _ = child.wait();
+            }
+            return Err(e);
+        }
     };
     let all_reduce: Arc<dyn AllReduce> = Arc::new(model_qwen2::NcclAllReduce {
         comm,
@@ -236,6 +249,50 @@ pub(crate) fn spawn(
     }
     let timeout = config.tensor_parallel_step_timeout;
     Ok((all_reduce.clone(), Workers::new(links, all_reduce, timeout)))
+}
+
+/// Runs `join` (rank 0's entry into the group, which NCCL's blocking set-up makes wait for
+/// every rank) on a thread of its own while watching the workers: one that exits before the
+/// group has formed ends the wait with an error naming its rank and quoting the end of its
+/// stderr, instead of a wait without end (the joining thread is then left blocked).
+#[cfg(feature = "cuda")]
+fn join_watching<T: Send + 'static>(
+    workers: &mut [(usize, Child, ChildStdin)],
+    join: impl FnOnce() -> Result<T> + Send + 'static,
+) -> Result<T> {
+    use std::sync::mpsc::RecvTimeoutError;
+    let (tx, rx) = std::sync::mpsc::channel();
+    std::thread::Builder::new()
+        .name("tp-join".into())
+        .spawn(move || {
+            let _ = tx.send(join());
+        })
+        .map_err(|e| EngineError::Device(format!("tensor parallelism: a thread: {e}")))?;
+    loop {
+        match rx.recv_timeout(Duration::from_millis(100)) {
+            Ok(joined) => return joined,
+            Err(RecvTimeoutError::Disconnected) => {
+                return Err(EngineError::Device(
+                    "tensor parallelism: joining the group panicked".into(),
+                ));
+            }
+            Err(RecvTimeoutError::Timeout) => {}
+        }
+        for (rank, child, _) in workers.iter_mut() {
+            if let Ok(Some(status)) = child.try_wait() {
+                let mut said = String::new();
+                if let Some(mut stderr) = child.stderr.take() {
+                    let _ = stderr.read_to_string(&mut said);
+                }
+                let tail: Vec<&str> = said.lines().rev().take(3).collect();
+                let tail: Vec<&str> = tail.into_iter().rev().collect();
+                return Err(EngineError::Device(format!(
+                    "tensor-parallel rank {rank} exited before the group formed ({status}): {}",
+                    tail.join(" | ")
+                )));
+            }
+        }
+    }
 }
 
 /// A worker process and its watchdog.
