@@ -6,9 +6,11 @@
 //!
 //! Messages: on the worker's stdin, each a little-endian `u32` length and a MessagePack body;
 //! first a `Hello` (where the weights come from, the options, the NCCL id, the rank), then
-//! `ToWorker` steps. The end of stdin (rank 0 gone) ends the worker. The worker reports each
-//! finished message on its stderr (a line `ACK_PREFIX` + count; rank 0 passes every other
-//! line on to its own stderr), which rank 0's watchdog reads to find a hung worker (killed).
+//! `ToWorker` steps. The end of stdin (rank 0 gone) ends the worker, and so does a thread that
+//! sees rank 0's process gone while the worker waits elsewhere (NCCL's set-up, a load). The
+//! worker reports each finished message on its stderr (a line `ACK_PREFIX` + count; rank 0
+//! passes every other line on to its own stderr), which rank 0's watchdog reads to find a hung
+//! worker (killed).
 //! A thread per worker notices its exit and aborts rank 0's communicator, so that rank 0's
 //! pending and later collectives fail at once instead of waiting for it; rank 0's next message
 //! to it then fails naming the rank and its exit status (or the hang it was killed for).
@@ -55,6 +57,7 @@ pub fn serve_if_worker() {
     let Some(rank) = std::env::var_os(WORKER_ENV) else {
         return;
     };
+    leave_with_parent(rank.to_string_lossy().into_owned());
     let code = match serve() {
         Ok(()) => 0,
         Err(e) => {
@@ -66,6 +69,29 @@ pub fn serve_if_worker() {
         }
     };
     std::process::exit(code);
+}
+
+/// Ends this worker process when rank 0's process is gone (the worker was re-parented), even
+/// while it waits inside NCCL's set-up or a long load, where it reads no message and would not
+/// see its stdin end.
+fn leave_with_parent(rank: String) {
+    #[cfg(unix)]
+    {
+        let parent = std::os::unix::process::parent_id();
+        let _ = std::thread::Builder::new()
+            .name("tp-parent-watch".into())
+            .spawn(move || {
+                loop {
+                    std::thread::sleep(Duration::from_millis(200));
+                    if std::os::unix::process::parent_id() != parent {
+                        eprintln!("burn-nanovllm: tensor-parallel rank {rank}: rank 0 is gone");
+                        std::process::exit(1);
+                    }
+                }
+            });
+    }
+    #[cfg(not(unix))]
+    let _ = rank;
 }
 
 /// True in a worker process.
