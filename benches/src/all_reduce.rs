@@ -42,21 +42,10 @@ pub fn run(size: usize, dtypes: &[DType]) -> Result<Report> {
     }
     let id = NcclId::new()?;
     let exe = std::env::current_exe()?;
-    // Rank r on the r-th GPU this process sees.
-    let visible: Option<Vec<String>> = std::env::var("CUDA_VISIBLE_DEVICES")
-        .ok()
-        .map(|v| v.split(',').map(|s| s.trim().to_string()).collect());
     let mut children: Vec<Child> = Vec::new();
     for rank in 1..size {
-        let gpu = match &visible {
-            Some(list) => list.get(rank).cloned().with_context(|| {
-                format!(
-                    "rank {rank}: CUDA_VISIBLE_DEVICES lists {} GPUs",
-                    list.len()
-                )
-            })?,
-            None => rank.to_string(),
-        };
+        // Placed as the engine places its workers.
+        let gpu = engine::tensor_parallel::processes::worker_gpu(0, rank)?;
         children.push(
             Command::new(&exe)
                 .args(std::env::args().skip(1))

@@ -308,10 +308,10 @@ fn enqueue_all_reduce(
     if comm.aborted.load(std::sync::atomic::Ordering::Acquire) {
         return Err(format!("the group was aborted: {}", comm.abort_reason()));
     }
-    let data_type = match x.dtype {
-        DType::BF16 => sys::ncclDataType_t::ncclBfloat16,
-        DType::F16 => sys::ncclDataType_t::ncclFloat16,
-        DType::F32 => sys::ncclDataType_t::ncclFloat32,
+    let (data_type, elem) = match x.dtype {
+        DType::BF16 => (sys::ncclDataType_t::ncclBfloat16, Elem::Bf16),
+        DType::F16 => (sys::ncclDataType_t::ncclFloat16, Elem::F16),
+        DType::F32 => (sys::ncclDataType_t::ncclFloat32, Elem::F32),
         other => return Err(format!("dtype {other:?}")),
     };
     let count = x.meta.shape().num_elements();
@@ -321,13 +321,7 @@ fn enqueue_all_reduce(
         .map_err(|e| format!("get_resource: {e:?}"))?;
     let ptr = resource.resource().ptr;
     let stream = resource.resource().stream as usize;
-    let comm_ptr = comm.comm as usize;
     let bytes = count * x.dtype.size();
-    let elem = match x.dtype {
-        DType::BF16 => Elem::Bf16,
-        DType::F16 => Elem::F16,
-        _ => Elem::F32,
-    };
     let group = comm.clone();
     let fixed_order = comm.fixed_order.load(std::sync::atomic::Ordering::Acquire);
     let result = x
@@ -352,7 +346,7 @@ fn enqueue_all_reduce(
                         Reduction::Sum => sys::ncclRedOp_t::ncclSum,
                         Reduction::Min => sys::ncclRedOp_t::ncclMin,
                     },
-                    comm_ptr as sys::ncclComm_t,
+                    group.comm,
                     stream as sys::cudaStream_t,
                 )
             }

@@ -89,10 +89,7 @@ impl std::fmt::Debug for PeerBuffers {
 }
 
 fn check(what: &str, r: cu::CUresult) -> Result<(), String> {
-    match r {
-        cu::CUresult::CUDA_SUCCESS => Ok(()),
-        e => Err(format!("{what}: {e:?}")),
-    }
+    r.result().map_err(|e| format!("{what}: {e:?}"))
 }
 
 impl PeerBuffers {
@@ -111,12 +108,12 @@ impl PeerBuffers {
         // 64 bytes of handle and one byte of success per rank.
         const ENTRY: usize = 65;
         let mine = if size <= MAX_RANKS {
-            unsafe { Self::allocate(size) }
+            unsafe { Self::allocate(rank, size) }
         } else {
             Err(format!("more than {MAX_RANKS} ranks"))
         };
         let mut entry = [0u8; ENTRY];
-        if let Ok((_, handle, ..)) = &mine {
+        if let Ok((_, handle)) = &mine {
             for (slot, b) in entry.iter_mut().zip(handle.reserved.iter()) {
                 *slot = *b as u8;
             }
@@ -124,60 +121,39 @@ impl PeerBuffers {
         }
         let all = unsafe { all_gather_bytes(comm, &entry, size)? };
         let everyone = all.chunks(ENTRY).all(|e| e[64] == 1);
-        let Ok((base, _, abort_device, abort_host, kernels, processors)) = mine else {
+        let (Ok((mut group, _)), true) = (mine, everyone) else {
             return Ok(None);
         };
-        if !everyone {
-            return Ok(None);
-        }
-        let mut bases = [0u64; MAX_RANKS];
         let mut opened = true;
-        for (peer, e) in all.chunks(ENTRY).enumerate() {
-            if peer == rank {
-                bases[peer] = base;
-                continue;
-            }
+        for (peer, e) in all
+            .chunks(ENTRY)
+            .enumerate()
+            .filter(|&(peer, _)| peer != rank)
+        {
             let mut handle = cu::CUipcMemHandle_st { reserved: [0; 64] };
             for (slot, b) in handle.reserved.iter_mut().zip(&e[..64]) {
                 *slot = *b as _;
             }
-            let mut ptr = 0;
             let r = unsafe {
                 cu::cuIpcOpenMemHandle_v2(
-                    &mut ptr,
+                    &mut group.bases[peer],
                     handle,
                     cu::CUipcMem_flags_enum::CU_IPC_MEM_LAZY_ENABLE_PEER_ACCESS as u32,
                 )
             };
             opened &= r == cu::CUresult::CUDA_SUCCESS;
-            bases[peer] = ptr;
         }
         // Every rank must have opened every peer's buffer before any uses the kernels.
         let flags = unsafe { all_gather_bytes(comm, &[opened as u8], size)? };
         if flags.iter().any(|&f| f != 1) {
             return Ok(None);
         }
-        Ok(Some(Self {
-            rank,
-            size,
-            bases,
-            abort_device,
-            abort_host,
-            kernels,
-            blocks: Knobs::get()
-                .all_reduce_blocks
-                .unwrap_or(processors)
-                .clamp(1, MAX_BLOCKS.min(processors)),
-            pull: Knobs::get().all_reduce_pull,
-        }))
+        Ok(Some(group))
     }
 
-    /// This rank's zeroed buffer and its IPC handle, the abort word, the kernels, and the
-    /// device's multiprocessors.
-    #[allow(clippy::type_complexity)]
-    unsafe fn allocate(
-        size: usize,
-    ) -> Result<(u64, cu::CUipcMemHandle, u64, usize, [[usize; 4]; 3], usize), String> {
+    /// This rank's part of the group (its zeroed buffer, the abort word, the kernels, the
+    /// launch limit; the peers' buffers not yet opened) and its buffer's IPC handle.
+    unsafe fn allocate(rank: usize, size: usize) -> Result<(Self, cu::CUipcMemHandle), String> {
         let bytes = DATA_OFFSET + 6 * CAPACITY;
         let mut device = 0;
         let mut processors = 0;
@@ -192,17 +168,19 @@ impl PeerBuffers {
                 ),
             )?;
         }
-        let mut base = 0;
+        let processors = processors.max(1) as usize;
+        let mut bases = [0u64; MAX_RANKS];
+        let base = &mut bases[rank];
         unsafe {
-            check("cuMemAlloc", cu::cuMemAlloc_v2(&mut base, bytes))?;
-            check("cuMemsetD8", cu::cuMemsetD8_v2(base, 0, bytes))?;
+            check("cuMemAlloc", cu::cuMemAlloc_v2(base, bytes))?;
+            check("cuMemsetD8", cu::cuMemsetD8_v2(*base, 0, bytes))?;
             check("cuCtxSynchronize", cu::cuCtxSynchronize())?;
         }
         let mut handle = cu::CUipcMemHandle_st { reserved: [0; 64] };
         unsafe {
             check(
                 "cuIpcGetMemHandle",
-                cu::cuIpcGetMemHandle(&mut handle, base),
+                cu::cuIpcGetMemHandle(&mut handle, bases[rank]),
             )?
         };
         let mut host = std::ptr::null_mut();
@@ -218,15 +196,20 @@ impl PeerBuffers {
                 cu::cuMemHostGetDevicePointer_v2(&mut mapped, host, 0),
             )?;
         }
-        let kernels = load(size)?;
-        Ok((
-            base,
-            handle,
-            mapped,
-            host as usize,
-            kernels,
-            processors.max(1) as usize,
-        ))
+        let group = Self {
+            rank,
+            size,
+            bases,
+            abort_device: mapped,
+            abort_host: host as usize,
+            kernels: load(size)?,
+            blocks: Knobs::get()
+                .all_reduce_blocks
+                .unwrap_or(processors)
+                .clamp(1, MAX_BLOCKS.min(processors)),
+            pull: Knobs::get().all_reduce_pull,
+        };
+        Ok((group, handle))
     }
 
     /// Ends every wait of the kernels, now and later (the group failed).

@@ -169,32 +169,14 @@ impl Plan {
                 }
             })
             .and_then(|()| {
-                set_pref(
-                    pref,
-                    P::CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_A_BYTES,
-                    &align_w,
-                )
-            })
-            .and_then(|()| {
-                set_pref(
-                    pref,
-                    P::CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_B_BYTES,
-                    &align_x,
-                )
-            })
-            .and_then(|()| {
-                set_pref(
-                    pref,
-                    P::CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_C_BYTES,
-                    &align_c,
-                )
-            })
-            .and_then(|()| {
-                set_pref(
-                    pref,
-                    P::CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_D_BYTES,
-                    &align_y,
-                )
+                [
+                    (P::CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_A_BYTES, align_w),
+                    (P::CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_B_BYTES, align_x),
+                    (P::CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_C_BYTES, align_c),
+                    (P::CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_D_BYTES, align_y),
+                ]
+                .into_iter()
+                .try_for_each(|(attribute, align)| set_pref(pref, attribute, &align))
             })
             .and_then(|()| {
                 let wanted = if key.invariant { 1 } else { TUNE_CANDIDATES };

@@ -182,6 +182,28 @@ fn join_group(
     ))
 }
 
+/// The `CUDA_VISIBLE_DEVICES` of rank `rank`'s process when rank 0 runs on this process's CUDA
+/// device `first`: the GPU `rank` places after it, as this process's own `CUDA_VISIBLE_DEVICES`
+/// names it (if set). Every process that starts ranks as processes places them so.
+pub fn worker_gpu(first: usize, rank: usize) -> Result<String> {
+    let gpu = first + rank;
+    match std::env::var("CUDA_VISIBLE_DEVICES") {
+        Ok(list) => {
+            let list: Vec<&str> = list.split(',').map(str::trim).collect();
+            list.get(gpu).map(|name| name.to_string()).ok_or_else(|| {
+                EngineError::config(
+                    "tensor_parallel_size",
+                    format!(
+                        "rank {rank} needs GPU {gpu}, but CUDA_VISIBLE_DEVICES lists {}",
+                        list.len()
+                    ),
+                )
+            })
+        }
+        Err(_) => Ok(gpu.to_string()),
+    }
+}
+
 /// Rank 0 on CUDA device `index`: starts the other ranks' processes on the GPUs after it,
 /// joins the NCCL group with them, and returns its collective and the workers.
 #[cfg(feature = "cuda")]
@@ -201,25 +223,10 @@ pub(crate) fn spawn(
     };
     let exe = std::env::current_exe()
         .map_err(|e| EngineError::Device(format!("tensor parallelism: this executable: {e}")))?;
-    let visible: Option<Vec<String>> = std::env::var("CUDA_VISIBLE_DEVICES")
-        .ok()
-        .map(|v| v.split(',').map(|s| s.trim().to_string()).collect());
     let mut links: Vec<Box<dyn Link>> = Vec::new();
     let mut workers = Vec::new();
     for rank in 1..size {
-        let gpu = index + rank;
-        let gpu_name = match &visible {
-            Some(list) => list.get(gpu).cloned().ok_or_else(|| {
-                EngineError::config(
-                    "tensor_parallel_size",
-                    format!(
-                        "rank {rank} needs GPU {gpu}, but CUDA_VISIBLE_DEVICES lists {}",
-                        list.len()
-                    ),
-                )
-            })?,
-            None => gpu.to_string(),
-        };
+        let gpu_name = worker_gpu(index, rank)?;
         let mut child = Command::new(&exe)
             .env(WORKER_ENV, rank.to_string())
             .env("CUDA_VISIBLE_DEVICES", &gpu_name)
@@ -310,11 +317,10 @@ fn join_watching<T: Send + 'static>(
                 if let Some(mut stderr) = child.stderr.take() {
                     let _ = stderr.read_to_string(&mut said);
                 }
-                let tail: Vec<&str> = said.lines().rev().take(3).collect();
-                let tail: Vec<&str> = tail.into_iter().rev().collect();
+                let lines: Vec<&str> = said.lines().collect();
                 return Err(EngineError::Device(format!(
                     "tensor-parallel rank {rank} exited before the group formed ({status}): {}",
-                    tail.join(" | ")
+                    lines[lines.len().saturating_sub(3)..].join(" | ")
                 )));
             }
         }
