@@ -80,7 +80,8 @@ pub use attention::{
 };
 #[cfg(feature = "cuda")]
 pub use collective::{
-    CollectiveOps, CommSlot, NcclComm, NcclId, Reduction, all_reduce, all_reduce_sum,
+    AllReduceKernel, CollectiveOps, CommSlot, NcclComm, NcclId, Reduction, all_reduce,
+    all_reduce_sum,
 };
 #[cfg(feature = "cpu")]
 pub use cpu_builtins::load as load_cpu_builtins;

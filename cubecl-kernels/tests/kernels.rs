@@ -4,6 +4,8 @@
 mod kernels {
     mod attention;
     mod batch_invariance;
+    #[cfg(feature = "cuda")]
+    mod collective;
     pub mod common;
     mod cpu_builtins;
     mod host_io;

@@ -16,6 +16,8 @@
 
 mod peer;
 
+pub use peer::AllReduceKernel;
+
 use std::fmt;
 use std::sync::Arc;
 

@@ -46,13 +46,46 @@ pub(crate) enum Elem {
     F16 = 2,
 }
 
-/// Which kernel a message takes (the index of its name in [`KERNELS`]).
+/// Which of the group's IPC kernels sums a message (as an index: its name in `KERNELS`).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
-enum Shot {
+pub enum AllReduceKernel {
+    /// Every rank writes its whole message into every peer's buffer; one barrier.
     PushOne = 0,
+    /// Reduce-scatter then all-gather by writes into the peers' buffers; two barriers.
     PushTwo = 1,
+    /// Every rank reads every peer's whole message (`BURN_NANOVLLM_ALL_REDUCE=pull`).
     PullOne = 2,
+    /// Reduce-scatter then all-gather by reads (`BURN_NANOVLLM_ALL_REDUCE=pull`).
     PullTwo = 3,
+}
+
+impl AllReduceKernel {
+    /// The largest message, bytes, the kernels sum (NCCL beyond).
+    pub const CAPACITY: usize = CAPACITY;
+    /// Messages up to this many bytes take a one-shot kernel at 3 ranks or more (by default).
+    pub const ONE_SHOT_MAX: usize = ONE_SHOT_MAX;
+
+    /// The kernel a sum of `bytes` bytes over `ranks` ranks takes, writing (`pull` false) or
+    /// reading the peers' buffers; `None`: NCCL's (empty, beyond [`Self::CAPACITY`], not whole
+    /// 16-byte vectors, or a push one-shot whose copies would not fit).
+    pub fn choose(ranks: usize, bytes: usize, pull: bool) -> Option<Self> {
+        if bytes == 0 || bytes > CAPACITY || !bytes.is_multiple_of(16) {
+            return None;
+        }
+        // Two-shot splits the message into one part per rank, whole vectors each.
+        let one_shot_max = Knobs::get().all_reduce_one_shot_max.unwrap_or(ONE_SHOT_MAX);
+        let splits = bytes.is_multiple_of(16 * ranks);
+        let two = ranks > 2 && bytes > one_shot_max && splits;
+        Some(match (pull, two) {
+            (true, false) => Self::PullOne,
+            (true, true) => Self::PullTwo,
+            (false, true) => Self::PushTwo,
+            // The push one-shot receives every rank's message in a region of 2 × CAPACITY.
+            (false, false) if bytes * ranks <= 2 * CAPACITY => Self::PushOne,
+            (false, false) if splits => Self::PushTwo,
+            (false, false) => return None,
+        })
+    }
 }
 
 const KERNELS: [&std::ffi::CStr; 4] = [
@@ -220,23 +253,8 @@ impl PeerBuffers {
 
     /// Which kernel a message of `bytes` bytes takes, if any.
     #[cfg_attr(not(cubecl_cuda_stream), allow(dead_code))]
-    fn shot(&self, bytes: usize) -> Option<Shot> {
-        if bytes == 0 || bytes > CAPACITY || !bytes.is_multiple_of(16) {
-            return None;
-        }
-        // Two-shot splits the message into one part per rank, whole vectors each.
-        let one_shot_max = Knobs::get().all_reduce_one_shot_max.unwrap_or(ONE_SHOT_MAX);
-        let splits = bytes.is_multiple_of(16 * self.size);
-        let two = self.size > 2 && bytes > one_shot_max && splits;
-        Some(match (self.pull, two) {
-            (true, false) => Shot::PullOne,
-            (true, true) => Shot::PullTwo,
-            (false, true) => Shot::PushTwo,
-            // The push one-shot receives every rank's message in a region of 2 × CAPACITY.
-            (false, false) if bytes * self.size <= 2 * CAPACITY => Shot::PushOne,
-            (false, false) if splits => Shot::PushTwo,
-            (false, false) => return None,
-        })
+    fn shot(&self, bytes: usize) -> Option<AllReduceKernel> {
+        AllReduceKernel::choose(self.size, bytes, self.pull)
     }
 
     /// Enqueues the sum of `x` (`bytes` bytes of `elem`, in place) over the group on `stream`,
@@ -285,8 +303,8 @@ impl PeerBuffers {
         };
         let vecs = (bytes / 16) as u64;
         let per_cube = match shot {
-            Shot::PushOne | Shot::PullOne => vecs,
-            Shot::PushTwo | Shot::PullTwo => vecs / self.size as u64,
+            AllReduceKernel::PushOne | AllReduceKernel::PullOne => vecs,
+            AllReduceKernel::PushTwo | AllReduceKernel::PullTwo => vecs / self.size as u64,
         };
         let blocks = (per_cube.div_ceil(THREADS as u64) as usize).clamp(1, self.blocks);
         let kernel = self.kernels[elem as usize][shot as usize] as cu::CUfunction;
@@ -407,42 +425,4 @@ unsafe fn all_gather_bytes(
         let _ = cu::cuMemFree_v2(recv);
     }
     Ok(all)
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    fn group(size: usize, pull: bool) -> PeerBuffers {
-        PeerBuffers {
-            rank: 0,
-            size,
-            bases: [0; MAX_RANKS],
-            abort_device: 0,
-            abort_host: 0,
-            kernels: [[0; 4]; 3],
-            blocks: 132,
-            pull,
-        }
-    }
-
-    #[test]
-    fn messages_take_the_kernel_their_size_and_the_group_call_for() {
-        let (two, four) = (group(2, false), group(4, false));
-        // A decode step's sums: [rows, hidden] bf16.
-        assert_eq!(four.shot(64 * 3584 * 2), Some(Shot::PushOne));
-        assert_eq!(four.shot(256 * 8192 * 2), Some(Shot::PushTwo));
-        assert_eq!(two.shot(256 * 8192 * 2), Some(Shot::PushOne));
-        assert_eq!(group(4, true).shot(256 * 8192 * 2), Some(Shot::PullTwo));
-        assert_eq!(group(4, true).shot(4096), Some(Shot::PullOne));
-        // Beyond the buffers, not whole 16-byte vectors, or empty: NCCL's.
-        assert_eq!(four.shot(CAPACITY + 16), None);
-        assert_eq!(four.shot(7 * 2), None);
-        assert_eq!(four.shot(0), None);
-        // Above the one-shot size but not splittable into 4 whole-vector parts: one-shot while
-        // 4 copies fit its region, else NCCL.
-        assert_eq!(four.shot(ONE_SHOT_MAX + 16), Some(Shot::PushOne));
-        assert_eq!(four.shot(2 * CAPACITY / 4 + 16), None);
-        assert_eq!(four.shot(CAPACITY), Some(Shot::PushTwo));
-    }
 }
