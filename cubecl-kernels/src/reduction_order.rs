@@ -11,6 +11,7 @@ pub enum ReductionOrder {
     /// One route and one reduction order per row whatever the batch: a row's result does not
     /// depend on the other rows of the call (batch-invariant inference). Products keep one
     /// cuBLASLt algorithm per weight shape without split-K (elsewhere the FMA-tiled kernel);
-    /// decode attention cuts each context by its own length alone.
+    /// decode attention cuts each context by its own length alone; prefill attention's
+    /// tensor-core tile is shaped for one query row per sequence (decode rows sent through it).
     BatchInvariant,
 }

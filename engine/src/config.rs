@@ -87,8 +87,9 @@ pub struct EngineConfig {
     /// of rows (one cuBLASLt algorithm per weight shape, no split-K; the FMA-tiled kernel
     /// elsewhere) and decode attention splits each context by its own length alone
     /// ([`cubecl_kernels::ReductionOrder::BatchInvariant`]); decode rows take the prefill
-    /// kernel, so that a token recomputed after a preemption equals its first computation (the
-    /// step graphs hold prefill chunks only). Costs speed (`docs/BENCHMARKS.md`).
+    /// kernel (on CUDA in a tile shaped for one query per sequence), so that a token recomputed
+    /// after a preemption equals its first computation (the step graphs hold prefill chunks
+    /// only). Costs speed (`docs/BENCHMARKS.md`).
     pub batch_invariant: bool,
 }
 

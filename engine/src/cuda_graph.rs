@@ -178,6 +178,7 @@ impl StepGraphs {
             c.num_attention_heads,
             c.num_key_value_heads,
             c.head_dim,
+            model.reduction_order(),
         )
         .ok_or_else(|| {
             EngineError::config(

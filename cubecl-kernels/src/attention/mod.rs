@@ -55,8 +55,19 @@ pub struct AttentionPlan {
     pub decode_context_bound: Option<usize>,
     /// With prefill chunks: queries per tile of the tile list. `None`: no prefill part.
     pub prefill_tile_rows: Option<usize>,
-    /// Decode splits from each row's own context only ([`crate::ReductionOrder::BatchInvariant`]).
+    /// Batch-invariant reduction ([`crate::ReductionOrder::BatchInvariant`]): decode splits from
+    /// each row's own context only, prefill tiles shaped for one-query rows.
     pub batch_invariant: bool,
+}
+
+impl AttentionPlan {
+    /// The reduction order [`Self::batch_invariant`] names.
+    pub fn order(&self) -> crate::ReductionOrder {
+        match self.batch_invariant {
+            true => crate::ReductionOrder::BatchInvariant,
+            false => crate::ReductionOrder::Fastest,
+        }
+    }
 }
 
 /// Qwen3's per-head RMSNorm of queries and keys (weights `[head_dim]`).
@@ -288,8 +299,8 @@ pub fn paged_attention_ordered(
     }
     let decode = meta.tensors.decode.as_ref();
     let prefill = meta.tensors.prefill.as_ref();
-    let tile_rows =
-        prefill.and_then(|_| prefill_tile_rows(&q.device(), q.dtype(), heads, cache.kv_heads(), d));
+    let tile_rows = prefill
+        .and_then(|_| prefill_tile_rows(&q.device(), q.dtype(), heads, cache.kv_heads(), d, order));
     let plan = AttentionPlan {
         scale,
         decode_context_bound: decode.map(|_| meta.context_bound),
@@ -330,16 +341,17 @@ pub fn paged_attention_ordered(
     ))
 }
 
-/// Queries per tile of the prefill kernel that [`paged_attention`] launches on `device` for
-/// queries of `dtype` with `heads` query heads, `kv_heads` key/value heads of `head_dim`: what
-/// a caller building a step's tile list in advance ([`TileCache::fixed`]) steps by. `None` off
-/// CubeCL devices (no kernels, no tiles).
+/// Queries per tile of the prefill kernel that [`paged_attention_ordered`] launches on `device`
+/// in `order` for queries of `dtype` with `heads` query heads, `kv_heads` key/value heads of
+/// `head_dim`: what a caller building a step's tile list in advance ([`TileCache::fixed`])
+/// steps by. `None` off CubeCL devices (no kernels, no tiles).
 pub fn prefill_tile_rows(
     device: &burn::tensor::Device,
     dtype: DType,
     heads: usize,
     kv_heads: usize,
     head_dim: usize,
+    order: crate::ReductionOrder,
 ) -> Option<usize> {
     #[allow(unreachable_patterns)]
     match device.as_dispatch() {
@@ -350,6 +362,7 @@ pub fn prefill_tile_rows(
             heads,
             kv_heads,
             head_dim,
+            order,
         )),
         _ => None,
     }

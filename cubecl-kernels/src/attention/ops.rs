@@ -167,6 +167,7 @@ impl AttentionOps for CubeBackend {
                 tiles,
                 rows,
                 plan.scale,
+                plan.order(),
             );
         }
         launch.out

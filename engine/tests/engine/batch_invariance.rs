@@ -3,10 +3,15 @@
 //! decode rows and prefill chunks), preempted and recomputed, and after a prefix-cache hit, with
 //! eager steps and with step graphs (emulated on the CPU: their padded forward). The
 //! model is the fixture with the real Qwen2 vocabulary, the device CubeCL's CPU runtime in f32
-//! (`ENGINE_TEST_DEVICE=cuda`: CUDA in bf16). Burn's CPU backend (plain-Burn products, whose
-//! blocking follows the number of rows) refuses the mode.
+//! (`ENGINE_TEST_DEVICE=cuda`: CUDA in bf16; with `ENGINE_TEST_MODEL_CONFIG=config.json` too,
+//! random weights of that config, e.g. `benches/configs/qwen2-0.5b.json`: the fixture's
+//! 8-wide heads take no tensor-core attention tile). Burn's CPU backend (plain-Burn products,
+//! whose blocking follows the number of rows) refuses the mode.
+
+use std::sync::OnceLock;
 
 use engine::{DeviceKind, EngineConfig, LLMEngine, SamplingParams};
+use model_qwen2::{Qwen2Config, Qwen2Model};
 
 use super::common::{Finished, drain, fixture, greedy, test_device};
 
@@ -80,7 +85,35 @@ fn engine(run: Run, batch_invariant: bool, blocks: usize) -> LLMEngine {
         emulate_graphs: matches!(steps, Steps::Graphs) && !matches!(device, DeviceKind::Cuda(_)),
         ..EngineConfig::default()
     };
-    LLMEngine::new(fixture(MODEL), config).unwrap()
+    match random_model(device) {
+        Some(model) => {
+            let device = device.device().unwrap();
+            LLMEngine::with_model(model, None, device, config).unwrap()
+        }
+        None => LLMEngine::new(fixture(MODEL), config).unwrap(),
+    }
+}
+
+/// On CUDA with `ENGINE_TEST_MODEL_CONFIG`: one set of random bf16 weights of that config,
+/// shared by every engine of the run (module doc).
+fn random_model(device: DeviceKind) -> Option<Qwen2Model> {
+    static MODEL: OnceLock<Option<Qwen2Model>> = OnceLock::new();
+    if !matches!(device, DeviceKind::Cuda(_)) {
+        return None;
+    }
+    MODEL
+        .get_or_init(|| {
+            let path = std::env::var("ENGINE_TEST_MODEL_CONFIG").ok()?;
+            let text = std::fs::read_to_string(&path).unwrap_or_else(|e| panic!("{path}: {e}"));
+            let config = Qwen2Config::from_json(&text).unwrap();
+            let device = device.device().unwrap();
+            Some(Qwen2Model::dummy(
+                config,
+                burn::tensor::DType::BF16,
+                &device,
+            ))
+        })
+        .clone()
 }
 
 /// What must not change: each generated token with the bits of its log-probability and of

@@ -31,6 +31,7 @@ use burn::tensor::DType;
 use burn_cubecl::tensor::CubeTensor;
 use cubecl::prelude::*;
 
+use crate::ReductionOrder;
 use crate::device_caps::DeviceCaps;
 use crate::knobs::Knobs;
 use cmma::{CmmaPrefillConfig, paged_prefill_cmma};
@@ -86,6 +87,13 @@ fn cmma_config(
 /// Qwen3-0.6B's heads, docs/BENCHMARKS.md), wider ones one head per cube with 32-key stages
 /// (sharing across Qwen2-0.5B's 7 heads measured 10–40 % slower,
 /// docs/results/h100-prefill-mma-layouts.txt; 64-key stages 1–12 % slower).
+///
+/// Batch-invariant steps send decode rows through this kernel too (one query per tile), so
+/// there the tile is shaped for them: one 16-row block per head, as many of the group's heads
+/// per cube as divide it up to 8, sharing 32-key stages (a row's arithmetic depends only on the
+/// stage length, so prefill and decode rows still meet the same reduction order). At bench.py
+/// on the H100 this took the mode's cost from −62 % to −31 % (Qwen2-0.5B) and from −38 % to
+/// −5 % (Qwen3-0.6B) against the four-block tile (docs/BENCHMARKS.md, "Batch invariance").
 /// `BURN_NANOVLLM_PREFILL_MMA=heads_per_cube,row_blocks,block_k` picks another, for benchmarks.
 fn mma_config(
     caps: &DeviceCaps,
@@ -94,16 +102,23 @@ fn mma_config(
     kv_heads: usize,
     head_dim: usize,
     vec: usize,
+    order: ReductionOrder,
 ) -> Option<MmaPrefillConfig> {
     let knobs = Knobs::get();
     if !super::mma_fits(caps, dtype, head_dim, vec) || knobs.prefill_fma || knobs.prefill_cmma {
         return None;
     }
     let group = heads / kv_heads;
-    let default = if group <= 2 {
-        (group, 4, 64)
-    } else {
-        (1, 4, 32)
+    let default = match order {
+        ReductionOrder::BatchInvariant => {
+            let shared = (1..=group.min(8))
+                .rev()
+                .find(|h| group.is_multiple_of(*h))
+                .unwrap_or(1);
+            (shared, 1, 32)
+        }
+        ReductionOrder::Fastest if group <= 2 => (group, 4, 64),
+        ReductionOrder::Fastest => (1, 4, 32),
     };
     let (heads_per_cube, row_blocks, block_k) = knobs
         .prefill_mma
@@ -133,11 +148,18 @@ enum Launch {
     Fma(PrefillConfig),
 }
 
-/// The launch for `q [·, heads, D]` of `dtype` over caches of `kv_heads` heads. Queries are
-/// read in the caches' vector width (the launcher makes them so).
-fn choose(caps: &DeviceCaps, dtype: DType, heads: usize, kv_heads: usize, d: usize) -> Launch {
+/// The launch for `q [·, heads, D]` of `dtype` over caches of `kv_heads` heads, reducing in
+/// `order`. Queries are read in the caches' vector width (the launcher makes them so).
+fn choose(
+    caps: &DeviceCaps,
+    dtype: DType,
+    heads: usize,
+    kv_heads: usize,
+    d: usize,
+    order: ReductionOrder,
+) -> Launch {
     let vec = crate::vector_size(dtype, &[d]);
-    if let Some(cfg) = mma_config(caps, dtype, heads, kv_heads, d, vec) {
+    if let Some(cfg) = mma_config(caps, dtype, heads, kv_heads, d, vec, order) {
         return Launch::Mma(cfg);
     }
     if let Some(cfg) = cmma_config(caps, dtype, heads, kv_heads, d, vec) {
@@ -162,22 +184,32 @@ impl Launch {
     }
 }
 
-/// Queries per tile of the prefill launch on `client`'s device for this shape: the tile list
-/// `[num_tiles, 2]` = (sequence, first query) that [`paged_prefill`] takes steps by it.
+/// Queries per tile of the prefill launch on `client`'s device for this shape and reduction
+/// order: the tile list `[num_tiles, 2]` = (sequence, first query) that [`paged_prefill`] takes
+/// steps by it.
 pub(crate) fn tile_rows(
     client: &cubecl::client::Client,
     dtype: DType,
     heads: usize,
     kv_heads: usize,
     head_dim: usize,
+    order: ReductionOrder,
 ) -> usize {
-    choose(&DeviceCaps::of(client), dtype, heads, kv_heads, head_dim).block_q()
+    choose(
+        &DeviceCaps::of(client),
+        dtype,
+        heads,
+        kv_heads,
+        head_dim,
+        order,
+    )
+    .block_q()
 }
 
 /// Host side of prefill attention: the query tiles `tiles [num_tiles, 2]` (sequence, first
 /// query; tiles of sequence −1 are padding, skipped) of `block_q` rows each, over rows
 /// `cu_seqlens_q[s]..cu_seqlens_q[s + 1]` of `launch.q [T, heads, D]`, into the same rows of
-/// `launch.out`. `block_q` must be [`tile_rows`]' answer (checked).
+/// `launch.out`. `block_q` must be [`tile_rows`]' answer for `order` (checked).
 #[allow(clippy::too_many_arguments)]
 pub(crate) fn paged_prefill(
     launch: &super::AttentionLaunch,
@@ -189,6 +221,7 @@ pub(crate) fn paged_prefill(
     tiles: CubeTensor,
     block_q: usize,
     scale: f32,
+    order: ReductionOrder,
 ) {
     let super::AttentionLaunch {
         q,
@@ -201,7 +234,7 @@ pub(crate) fn paged_prefill(
     } = launch;
     let (heads, d, block_size, kv_heads) = (*heads, *d, *block_size, *kv_heads);
     let dtype = q.dtype;
-    let chosen = choose(&DeviceCaps::of(&q.client), dtype, heads, kv_heads, d);
+    let chosen = choose(&DeviceCaps::of(&q.client), dtype, heads, kv_heads, d, order);
     assert_eq!(
         chosen.block_q(),
         block_q,
