@@ -31,6 +31,9 @@ pub(crate) struct Knobs {
     /// `BURN_NANOVLLM_PREFILL_MMA=heads_per_cube,row_blocks,block_k`: the manual-MMA prefill
     /// layout.
     pub prefill_mma: Option<(usize, usize, usize)>,
+    /// `BURN_NANOVLLM_PREFILL_PACKED=0|1`: whether the manual-MMA prefill tile packs its heads
+    /// into each plane's rows.
+    pub prefill_packed: Option<bool>,
     /// `BURN_NANOVLLM_DECODE=lanes,heads_per_unit,tile`: the decode unit layout on plane
     /// devices.
     pub decode_layout: Option<(usize, usize, usize)>,
@@ -87,6 +90,7 @@ impl Knobs {
             prefill_cmma: is_set("BURN_NANOVLLM_PREFILL_CMMA"),
             prefill_tile: numbers("BURN_NANOVLLM_PREFILL_TILE").map(|[p, k]| (p, k)),
             prefill_mma: numbers("BURN_NANOVLLM_PREFILL_MMA").map(|[h, r, k]| (h, r, k)),
+            prefill_packed: numbers("BURN_NANOVLLM_PREFILL_PACKED").map(|[p]| p != 0),
             decode_layout: numbers("BURN_NANOVLLM_DECODE").map(|[l, h, t]| (l, h, t)),
             decode_units: numbers("BURN_NANOVLLM_DECODE_UNITS").map(|[u]| u),
             decode_mma_planes: numbers("BURN_NANOVLLM_DECODE_MMA").map(|[p]| p),

@@ -2,7 +2,7 @@
 
 use burn::tensor::{DType, Device};
 use cubecl_kernels::attention::reference;
-use cubecl_kernels::{AttentionMetadata, LayerKvCache, QkNorm, Rope, RowScale};
+use cubecl_kernels::{AttentionMetadata, LayerKvCache, QkNorm, ReductionOrder, Rope, RowScale};
 use rand::Rng;
 use rand::rngs::StdRng;
 use rand::seq::SliceRandom;
@@ -48,6 +48,18 @@ impl Layout {
         .unwrap()
     }
 
+    /// Every sequence a prefill chunk, one-token ones too (batch-invariant steps).
+    fn meta_prefill_only(&self, device: &Device) -> AttentionMetadata {
+        AttentionMetadata::prefill_only(
+            self.query_lens.clone(),
+            self.context_lens.clone(),
+            self.tables.clone(),
+            self.block_size,
+            device,
+        )
+        .unwrap()
+    }
+
     fn tokens(&self) -> usize {
         self.query_lens.iter().sum()
     }
@@ -81,9 +93,22 @@ pub(super) fn check_attention(
     h: Heads,
     dtype: DType,
 ) {
+    check_attention_ordered(rng, seqs, block_size, h, dtype, ReductionOrder::Fastest);
+}
+
+/// [`check_attention`] in `order`; batch-invariant: every sequence through the prefill kernel
+/// (as batch-invariant steps send them).
+fn check_attention_ordered(
+    rng: &mut StdRng,
+    seqs: &[(usize, usize)],
+    block_size: usize,
+    h: Heads,
+    dtype: DType,
+    order: ReductionOrder,
+) {
     let l = Layout::new(rng, seqs, block_size);
     let what = format!(
-        "{seqs:?} bs={block_size} heads={}/{} d={} {dtype:?}",
+        "{seqs:?} bs={block_size} heads={}/{} d={} {dtype:?} {order:?}",
         h.heads, h.kv_heads, h.d
     );
     eprintln!("{what}");
@@ -97,10 +122,14 @@ pub(super) fn check_attention(
     let run = |device: &Device, dtype: DType, kernel: bool| {
         let cache = cache(&kv, &l, &h, dtype, device);
         let q = tensor(&q, [l.tokens(), h.heads, h.d], dtype, device);
-        let meta = l.meta(device);
+        let meta = match order {
+            ReductionOrder::BatchInvariant => l.meta_prefill_only(device),
+            ReductionOrder::Fastest => l.meta(device),
+        };
         if kernel {
             poison_pool(device, 4 * q.dims().iter().product::<usize>() + 4096);
-            host(cubecl_kernels::paged_attention(q, &cache, &meta, scale))
+            let out = cubecl_kernels::paged_attention_ordered(q, &cache, &meta, scale, order);
+            host(out)
         } else {
             host(reference::paged_attention(q, &cache, &meta, scale))
         }
@@ -193,6 +222,39 @@ fn prefill_matches_reference() {
         },
         DType::BF16,
     );
+}
+
+/// Batch-invariant steps' prefill tiles (on CUDA shaped for one query row: the group's heads
+/// packed into each plane's rows for groups of 3 to 16, one block a head below), one-token
+/// sequences among ragged chunks over prefixes, against the reference.
+#[test]
+fn batch_invariant_prefill_matches_reference() {
+    let mut rng = rng("batch_invariant_prefill_matches_reference");
+    let seqs = [
+        (1, 1),
+        (1, 40),
+        (1, 300),
+        (17, 40),
+        (2, 2),
+        (255, 300),
+        (33, 33),
+    ];
+    for (heads, kv_heads, d) in [
+        (14, 2, 64),
+        (28, 4, 128),
+        (16, 8, 128),
+        (8, 1, 128),
+        (16, 1, 64),
+    ] {
+        check_attention_ordered(
+            &mut rng,
+            &seqs,
+            16,
+            Heads { heads, kv_heads, d },
+            DType::BF16,
+            ReductionOrder::BatchInvariant,
+        );
+    }
 }
 
 /// The prefill tile list covers every query of every sequence once, in tiles of `rows`, and

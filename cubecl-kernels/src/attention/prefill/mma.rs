@@ -5,7 +5,11 @@
 //! Launch geometry: one cube per (`16·R`-query tile, kv head, group of `H` of its query heads),
 //! tile-major (see [`super`]),
 //! with `H × R` planes of 32 lanes; plane `p` owns query rows `16·(p % R) .. + 16` of head
-//! `p / R`, so the `H` heads share every K/V stage (`H` = the whole GQA group up to 8). K/V stages
+//! `p / R`, so the `H` heads share every K/V stage (`H` = the whole GQA group up to 8). Packed
+//! (`packed`, for one-query tiles): the `H` heads share each plane's 16 MMA rows instead — row
+//! `r` is head `r % H` of query `r / H`, `R` planes of `⌊16 / H⌋` queries each — so a decode
+//! row scores all its group's heads in one MMA. A row's arithmetic is the same in both (it
+//! depends on `block_k` alone). K/V stages
 //! of `block_k` keys are double-buffered in shared memory: while a stage is computed on, every
 //! unit's 16-byte global loads of the next one are in flight in registers; they are stored after
 //! the compute, one barrier per stage. Keys past a row's causal position are masked.
@@ -31,19 +35,33 @@ pub struct MmaPrefillConfig {
     pub block_k: usize,
     /// Query heads of one kv head that a cube serves (they share its K/V stages).
     pub heads_per_cube: usize,
-    /// 16-row blocks of queries per head; planes = `heads_per_cube × row_blocks`.
+    /// 16-row blocks of queries per head; planes = `heads_per_cube × row_blocks` (packed:
+    /// `row_blocks`).
     pub row_blocks: usize,
+    /// The cube's heads share each plane's MMA rows (module doc); `heads_per_cube ≤ 16`.
+    pub packed: bool,
 }
 
 impl MmaPrefillConfig {
+    /// Queries a plane's 16 rows hold (per head).
+    pub fn plane_queries(&self) -> usize {
+        match self.packed {
+            true => 16 / self.heads_per_cube,
+            false => 16,
+        }
+    }
+
     /// Queries per cube and head.
     pub fn block_q(&self) -> usize {
-        16 * self.row_blocks
+        self.plane_queries() * self.row_blocks
     }
 
     /// Planes per cube.
     pub fn planes(&self) -> usize {
-        self.heads_per_cube * self.row_blocks
+        match self.packed {
+            true => self.row_blocks,
+            false => self.heads_per_cube * self.row_blocks,
+        }
     }
 
     /// Units per cube.
@@ -97,9 +115,8 @@ pub fn paged_prefill_mma<F: Float, NV: Size>(
     let plane = PLANE_POS as usize;
     let unit = UNIT_POS_X as usize;
     let kvh = group / hgroups;
-    let h = kvh * comptime!(cfg.heads / cfg.kv_heads)
-        + (group % hgroups) * cfg.heads_per_cube
-        + plane / cfg.row_blocks;
+    let first_head =
+        kvh * comptime!(cfg.heads / cfg.kv_heads) + (group % hgroups) * cfg.heads_per_cube;
     let g = UNIT_POS_PLANE as usize / 4;
     let t = UNIT_POS_PLANE as usize % 4;
     let st = comptime!(cfg.stage());
@@ -117,19 +134,20 @@ pub fn paged_prefill_mma<F: Float, NV: Size>(
     let last_key = prefix + q0 + rows;
     let table_row = seq * block_tables.stride(0);
 
-    // This lane's rows of the tile; a row attends to keys up to its own position.
-    let row_a = (plane % cfg.row_blocks) * 16 + g;
-    let row_b = row_a + 8;
-    let valid_a = row_a < rows;
-    let valid_b = row_b < rows;
+    // This lane's two MMA rows (g and g + 8) as (query of the tile, head); a row attends to
+    // keys up to its own position.
+    let (row_a, head_a, in_a) = plane_row(plane, g, first_head, cfg);
+    let (row_b, head_b, in_b) = plane_row(plane, g + 8, first_head, cfg);
+    let valid_a = in_a && row_a < rows;
+    let valid_b = in_b && row_b < rows;
     let limit_a = select(valid_a, prefix + q0 + row_a + 1, 0usize);
     let limit_b = select(valid_b, prefix + q0 + row_b + 1, 0usize);
 
     let mut qa = Array::<Vector<F, NP>>::new(comptime!(4 * cfg.head_dim / 16));
     load_q_fragments(
         q,
-        (q_start + q0 + row_a) * q.stride(0) + h * q.stride(1),
-        (q_start + q0 + row_b) * q.stride(0) + h * q.stride(1),
+        (q_start + q0 + row_a) * q.stride(0) + head_a * q.stride(1),
+        (q_start + q0 + row_b) * q.stride(0) + head_b * q.stride(1),
         valid_a,
         valid_b,
         &mut qa,
@@ -165,8 +183,8 @@ pub fn paged_prefill_mma<F: Float, NV: Size>(
 
     // Normalise and write.
     finish_row_sums(&mut state);
-    let out_a = (q_start + q0 + row_a) * out.stride(0) + h * out.stride(1);
-    let out_b = (q_start + q0 + row_b) * out.stride(0) + h * out.stride(1);
+    let out_a = (q_start + q0 + row_a) * out.stride(0) + head_a * out.stride(1);
+    let out_b = (q_start + q0 + row_b) * out.stride(0) + head_b * out.stride(1);
     #[unroll]
     for j in 0..comptime!(cfg.head_dim / 8) {
         #[unroll]
@@ -180,4 +198,26 @@ pub fn paged_prefill_mma<F: Float, NV: Size>(
             }
         }
     }
+}
+
+/// MMA row `r` (0..16) of plane `plane` as (query of the tile, head, whether the row holds
+/// one): in the plain layout the plane's head and its `r`-th query; packed, head `r % H` of the
+/// plane's `r / H`-th query (rows past `⌊16 / H⌋ · H` hold none).
+#[cube]
+fn plane_row(
+    plane: usize,
+    r: usize,
+    first_head: usize,
+    #[comptime] cfg: MmaPrefillConfig,
+) -> (usize, usize, bool) {
+    let mut query = (plane % cfg.row_blocks) * 16 + r;
+    let mut head = first_head + plane / cfg.row_blocks;
+    let mut holds = true;
+    if comptime!(cfg.packed) {
+        let heads = comptime!(cfg.heads_per_cube);
+        query = plane * comptime!(cfg.plane_queries()) + r / heads;
+        head = first_head + r % heads;
+        holds = r / heads < comptime!(cfg.plane_queries());
+    }
+    (query, head, holds)
 }

@@ -89,12 +89,15 @@ fn cmma_config(
 /// docs/results/h100-prefill-mma-layouts.txt; 64-key stages 1–12 % slower).
 ///
 /// Batch-invariant steps send decode rows through this kernel too (one query per tile), so
-/// there the tile is shaped for them: one 16-row block per head, as many of the group's heads
-/// per cube as divide it up to 8, sharing 32-key stages (a row's arithmetic depends only on the
-/// stage length, so prefill and decode rows still meet the same reduction order). At bench.py
-/// on the H100 this took the mode's cost from −62 % to −31 % (Qwen2-0.5B) and from −38 % to
-/// −5 % (Qwen3-0.6B) against the four-block tile (docs/BENCHMARKS.md, "Batch invariance").
-/// `BURN_NANOVLLM_PREFILL_MMA=heads_per_cube,row_blocks,block_k` picks another, for benchmarks.
+/// there the tile is shaped for them, with 32-key stages (a row's arithmetic depends only on
+/// the stage length, so prefill and decode rows still meet the same reduction order): narrow
+/// groups (`G ≤ 2`) one 16-row block per head, the group's heads sharing the stages (bench.py's
+/// cost on the H100 from −38 % to −5 % at Qwen3-0.6B against the four-block tile); wider ones
+/// (up to 16) packed, the group's heads in each plane's rows (a decode row's heads in one MMA),
+/// with enough planes to load a stage in at most 16 vectors a lane
+/// (docs/BENCHMARKS.md, "Batch invariance").
+/// `BURN_NANOVLLM_PREFILL_MMA=heads_per_cube,row_blocks,block_k` picks another tile and
+/// `BURN_NANOVLLM_PREFILL_PACKED=0|1` its packing, for benchmarks.
 fn mma_config(
     caps: &DeviceCaps,
     dtype: DType,
@@ -109,17 +112,24 @@ fn mma_config(
         return None;
     }
     let group = heads / kv_heads;
-    let default = match order {
+    let invariant_block_k = 32;
+    let (default, packed) = match order {
+        ReductionOrder::BatchInvariant if (3..=16).contains(&group) => {
+            // K and V of a stage over the planes' lanes, at most 16 vectors of 8 each.
+            let planes = (2 * invariant_block_k * head_dim).div_ceil(8 * 16 * 32);
+            ((group, planes, invariant_block_k), true)
+        }
         ReductionOrder::BatchInvariant => {
             let shared = (1..=group.min(8))
                 .rev()
                 .find(|h| group.is_multiple_of(*h))
                 .unwrap_or(1);
-            (shared, 1, 32)
+            ((shared, 1, invariant_block_k), false)
         }
-        ReductionOrder::Fastest if group <= 2 => (group, 4, 64),
-        ReductionOrder::Fastest => (1, 4, 32),
+        ReductionOrder::Fastest if group <= 2 => ((group, 4, 64), false),
+        ReductionOrder::Fastest => ((1, 4, 32), false),
     };
+    let packed = knobs.prefill_packed.unwrap_or(packed);
     let (heads_per_cube, row_blocks, block_k) = knobs
         .prefill_mma
         .filter(|(h, r, _)| *h > 0 && *r > 0 && group.is_multiple_of(*h))
@@ -131,8 +141,10 @@ fn mma_config(
         block_k,
         heads_per_cube,
         row_blocks,
+        packed,
     };
     (cfg.block_k.is_multiple_of(16)
+        && (!cfg.packed || cfg.heads_per_cube <= 16)
         && cfg.units() <= caps.max_cube_units
         && cfg.shared_bytes(dtype.size()) <= caps.shared_bytes)
         .then_some(cfg)
