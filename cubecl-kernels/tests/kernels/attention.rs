@@ -37,20 +37,14 @@ impl Layout {
         }
     }
 
-    fn meta(&self, device: &Device) -> AttentionMetadata {
-        AttentionMetadata::new(
-            self.query_lens.clone(),
-            self.context_lens.clone(),
-            self.tables.clone(),
-            self.block_size,
-            device,
-        )
-        .unwrap()
-    }
-
-    /// Every sequence a prefill chunk, one-token ones too (batch-invariant steps).
-    fn meta_prefill_only(&self, device: &Device) -> AttentionMetadata {
-        AttentionMetadata::prefill_only(
+    /// The batch's metadata as a step in `order` builds it: batch-invariant steps make every
+    /// sequence a prefill chunk, one-token ones too.
+    fn meta(&self, device: &Device, order: ReductionOrder) -> AttentionMetadata {
+        let build = match order {
+            ReductionOrder::BatchInvariant => AttentionMetadata::prefill_only,
+            ReductionOrder::Fastest => AttentionMetadata::new,
+        };
+        build(
             self.query_lens.clone(),
             self.context_lens.clone(),
             self.tables.clone(),
@@ -122,10 +116,7 @@ fn check_attention_ordered(
     let run = |device: &Device, dtype: DType, kernel: bool| {
         let cache = cache(&kv, &l, &h, dtype, device);
         let q = tensor(&q, [l.tokens(), h.heads, h.d], dtype, device);
-        let meta = match order {
-            ReductionOrder::BatchInvariant => l.meta_prefill_only(device),
-            ReductionOrder::Fastest => l.meta(device),
-        };
+        let meta = l.meta(device, order);
         if kernel {
             poison_pool(device, 4 * q.dims().iter().product::<usize>() + 4096);
             let out = cubecl_kernels::paged_attention_ordered(q, &cache, &meta, scale, order);
@@ -532,7 +523,7 @@ pub(super) fn check_rope_store_kv(
     let skip = rng.random_range(0..t);
     let run = |device: &Device, dtype: DType, kernel: bool| {
         let mut cache = cache(&kv, &l, h, dtype, device);
-        let mut meta = l.meta(device);
+        let mut meta = l.meta(device, ReductionOrder::Fastest);
         if !kernel {
             meta.slot_mapping[skip] = -1;
         } else {
@@ -651,7 +642,7 @@ fn plain_store_kv_matches_reference() {
     );
     let run = |device: &Device, kernel: bool| {
         let mut cache = cache(&kv, &l, &h, DType::F32, device);
-        let meta = l.meta(device);
+        let meta = l.meta(device, ReductionOrder::Fastest);
         let k = tensor(&k_new, [t, 2, 64], DType::F32, device);
         let v = tensor(&v_new, [t, 2, 64], DType::F32, device);
         if kernel {
@@ -683,7 +674,7 @@ fn rope_store_kv_refuses_bad_tables_and_row_scales() {
     let n = l.num_blocks * l.block_size * h.d;
     let attempt = |table_dtype: DType, scale_rows: usize, scale_dtype: DType| {
         let mut cache = cache(&(vec![0.0; n], vec![0.0; n]), &l, &h, DType::F32, &dev);
-        let meta = l.meta(&dev);
+        let meta = l.meta(&dev, ReductionOrder::Fastest);
         let table = tensor(&[0.5; 16 * 4], [16, 4], table_dtype, &dev);
         let qkv = tensor(&[1.0; 2 * 32], [2, 32], DType::F32, &dev);
         let x = tensor(
