@@ -89,13 +89,15 @@ fn cmma_config(
 /// docs/results/h100-prefill-mma-layouts.txt; 64-key stages 1–12 % slower).
 ///
 /// Batch-invariant steps send decode rows through this kernel too (one query per tile), so
-/// there the tile is shaped for them, with 32-key stages (a row's arithmetic depends only on
-/// the stage length, so prefill and decode rows still meet the same reduction order): narrow
-/// groups (`G ≤ 2`) one 16-row block per head, the group's heads sharing the stages (bench.py's
-/// cost on the H100 from −38 % to −5 % at Qwen3-0.6B against the four-block tile); wider ones
-/// (up to 16) packed, the group's heads in each plane's rows (a decode row's heads in one MMA),
-/// with enough planes to load a stage in at most 16 vectors a lane
-/// (docs/BENCHMARKS.md, "Batch invariance").
+/// there the tile is shaped for them (a row's arithmetic depends only on the stage length, so
+/// prefill and decode rows still meet the same reduction order): narrow groups (`G ≤ 2`) one
+/// 16-row block per head, the group's heads sharing 32-key stages (bench.py's cost on the H100
+/// from −38 % to −5 % at Qwen3-0.6B against the four-block tile; 64-key stages, 16-key and two
+/// blocks were slower); wider ones (up to 16) packed, the group's heads in each plane's rows (a
+/// decode row's heads in one MMA), 64-key stages over at least two planes, enough to load a
+/// stage in at most 16 vectors a lane (Qwen2-0.5B's bench.py cost −15 %, against −20 % with
+/// 32-key stages on two planes, −22 % on one, −29 % with 64 keys on one; docs/BENCHMARKS.md,
+/// "Batch invariance").
 /// `BURN_NANOVLLM_PREFILL_MMA=heads_per_cube,row_blocks,block_k` picks another tile and
 /// `BURN_NANOVLLM_PREFILL_PACKED=0|1` its packing, for benchmarks.
 fn mma_config(
@@ -112,19 +114,19 @@ fn mma_config(
         return None;
     }
     let group = heads / kv_heads;
-    let invariant_block_k = 32;
     let (default, packed) = match order {
         ReductionOrder::BatchInvariant if (3..=16).contains(&group) => {
-            // K and V of a stage over the planes' lanes, at most 16 vectors of 8 each.
-            let planes = (2 * invariant_block_k * head_dim).div_ceil(8 * 16 * 32);
-            ((group, planes, invariant_block_k), true)
+            // 64-key stages; K and V of a stage over at least two planes' lanes, at most 16
+            // vectors of 8 each.
+            let planes = (2 * 64 * head_dim).div_ceil(8 * 16 * 32).max(2);
+            ((group, planes, 64), true)
         }
         ReductionOrder::BatchInvariant => {
             let shared = (1..=group.min(8))
                 .rev()
                 .find(|h| group.is_multiple_of(*h))
                 .unwrap_or(1);
-            ((shared, 1, invariant_block_k), false)
+            ((shared, 1, 32), false)
         }
         ReductionOrder::Fastest if group <= 2 => ((group, 4, 64), false),
         ReductionOrder::Fastest => ((1, 4, 32), false),
