@@ -1,9 +1,11 @@
 #!/usr/bin/env bash
 # On the GPU machine (device tool, nvidia-h100-x1): batch-invariant inference on CUDA.
-#   batch_invariance.sh test   (dist/engine.xz: `cargo test --workspace --test engine --no-run`,
-#       the binary stripped): the engine's batch-invariance tests with ENGINE_TEST_DEVICE=cuda
-#       (bf16: one request's tokens and log-probabilities alone, in a batch of 64, preempted,
-#       after a prefix-cache hit).
+#   batch_invariance.sh test [MODEL...]   (dist-e/engine.xz: `cargo test --workspace --test engine
+#       --no-run`, the binary stripped): the engine's batch-invariance test with
+#       ENGINE_TEST_DEVICE=cuda (bf16: one request's tokens and log-probabilities alone, in a
+#       batch of 64, preempted, after a prefix-cache hit), over random weights of each MODEL's
+#       config (benches/configs/MODEL.json: the real tensor-core tiles; default qwen2-0.5b
+#       qwen3-0.6b), or over the qwen2-tiny-tied fixture with MODEL `fixture`.
 #   batch_invariance.sh cost MODEL...   (dist-b/benches.xz): bench.py, 1,000 x (528 + 136)
 #       +-90 % and one request of 512 + 128, each with and without --batch-invariant, back to
 #       back, random weights of each model's config.
@@ -20,8 +22,16 @@ mode=${1:-test}
 shift || true
 case "$mode" in
   test)
-    ENGINE_TEST_DEVICE=cuda timeout 500 /tmp/bin/engine batch_invariance --test-threads 1 2>&1 \
-      | tee "$OUT/tests.log" | grep -E "^test |test result|panicked|left|right" | cut -c1-400
+    models=("$@")
+    [ ${#models[@]} -eq 0 ] && models=(qwen2-0.5b qwen3-0.6b)
+    for m in "${models[@]}"; do
+      config=(ENGINE_TEST_MODEL_CONFIG="benches/configs/$m.json")
+      [ "$m" = fixture ] && config=()
+      echo "== $m"
+      env ENGINE_TEST_DEVICE=cuda "${config[@]}" timeout 300 /tmp/bin/engine \
+        batch_invariance::a_requests --test-threads 1 2>&1 | tee "$OUT/tests-$m${TAG:+-$TAG}.log" \
+        | grep -E "^test |test result|panicked|left|right" | cut -c1-400
+    done
     ;;
   cost)
     for model in "$@"; do
