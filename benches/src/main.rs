@@ -15,6 +15,7 @@ mod linear;
 mod record;
 mod report;
 mod serve_bench;
+mod step_profile;
 mod timing;
 mod workload;
 
