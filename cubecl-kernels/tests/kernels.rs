@@ -12,4 +12,5 @@ mod kernels {
     mod linear;
     mod model_shapes;
     mod sampling;
+    mod store_kv;
 }

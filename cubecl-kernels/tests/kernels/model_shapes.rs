@@ -9,9 +9,10 @@
 
 use burn::tensor::DType;
 
-use super::attention::{Heads, check_attention, check_rope_store_kv};
+use super::attention::{Heads, check_attention};
 use super::common::*;
 use super::linear::{Case, check};
+use super::store_kv::check_rope_store_kv;
 
 /// One config of the sweep (fields the kernels need; the file has more).
 #[derive(serde::Deserialize)]
