@@ -77,11 +77,13 @@ impl Knobs {
     }
 
     fn from_env() -> Self {
+        let cublas = std::env::var("BURN_NANOVLLM_CUBLAS").ok();
+        let all_reduce = std::env::var("BURN_NANOVLLM_ALL_REDUCE").ok();
         Self {
             skinny_max_m: numbers("BURN_NANOVLLM_SKINNY_MAX_M").map(|[m]| m),
             split_k_off: std::env::var("BURN_NANOVLLM_SPLIT_K").is_ok_and(|v| v == "0"),
-            cublas_off: std::env::var("BURN_NANOVLLM_CUBLAS").is_ok_and(|v| v == "0"),
-            cublas_fenced: std::env::var("BURN_NANOVLLM_CUBLAS").is_ok_and(|v| v == "fenced"),
+            cublas_off: cublas.as_deref() == Some("0"),
+            cublas_fenced: cublas.as_deref() == Some("fenced"),
             cublas_tune_min_rows: match std::env::var("BURN_NANOVLLM_CUBLAS_TUNE").as_deref() {
                 Ok("off") => Some(usize::MAX),
                 _ => numbers("BURN_NANOVLLM_CUBLAS_TUNE").map(|[r]| r),
@@ -97,9 +99,8 @@ impl Knobs {
             decode_split_keys: numbers("BURN_NANOVLLM_DECODE_SPLIT_KEYS").map(|[k]| k),
             sample_units: numbers("BURN_NANOVLLM_SAMPLE_UNITS").map(|[u]| u),
             sample_fill: numbers("BURN_NANOVLLM_SAMPLE_FILL").map(|[c]| c),
-            all_reduce_nccl_only: std::env::var("BURN_NANOVLLM_ALL_REDUCE")
-                .is_ok_and(|v| v == "nccl"),
-            all_reduce_pull: std::env::var("BURN_NANOVLLM_ALL_REDUCE").is_ok_and(|v| v == "pull"),
+            all_reduce_nccl_only: all_reduce.as_deref() == Some("nccl"),
+            all_reduce_pull: all_reduce.as_deref() == Some("pull"),
             all_reduce_one_shot_max: numbers("BURN_NANOVLLM_ALL_REDUCE_ONE_SHOT_MAX").map(|[b]| b),
             invariant_split_k: std::env::var("BURN_NANOVLLM_INVARIANT_SPLIT_K")
                 .is_ok_and(|v| v == "1"),

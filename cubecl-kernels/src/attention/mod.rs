@@ -55,19 +55,9 @@ pub struct AttentionPlan {
     pub decode_context_bound: Option<usize>,
     /// With prefill chunks: queries per tile of the tile list. `None`: no prefill part.
     pub prefill_tile_rows: Option<usize>,
-    /// Batch-invariant reduction ([`crate::ReductionOrder::BatchInvariant`]): decode splits from
-    /// each row's own context only, prefill tiles shaped for one-query rows.
-    pub batch_invariant: bool,
-}
-
-impl AttentionPlan {
-    /// The reduction order [`Self::batch_invariant`] names.
-    pub fn order(&self) -> crate::ReductionOrder {
-        match self.batch_invariant {
-            true => crate::ReductionOrder::BatchInvariant,
-            false => crate::ReductionOrder::Fastest,
-        }
-    }
+    /// How the kernels reduce ([`crate::ReductionOrder::BatchInvariant`]: decode splits from
+    /// each row's own context only, prefill tiles shaped for one-query rows).
+    pub order: crate::ReductionOrder,
 }
 
 /// Qwen3's per-head RMSNorm of queries and keys (weights `[head_dim]`).
@@ -305,7 +295,7 @@ pub fn paged_attention_ordered(
         scale,
         decode_context_bound: decode.map(|_| meta.context_bound),
         prefill_tile_rows: tile_rows,
-        batch_invariant: order == crate::ReductionOrder::BatchInvariant,
+        order,
     };
     // Absent parts get placeholders (never read).
     let placeholder = || meta.tensors.slot_mapping.clone().into_dispatch();

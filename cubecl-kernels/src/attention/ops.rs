@@ -153,7 +153,7 @@ impl AttentionOps for CubeBackend {
                 decode_context,
                 bound,
                 plan.scale,
-                plan.batch_invariant,
+                plan.order,
             );
         }
         if let Some(rows) = plan.prefill_tile_rows {
@@ -167,7 +167,7 @@ impl AttentionOps for CubeBackend {
                 tiles,
                 rows,
                 plan.scale,
-                plan.order(),
+                plan.order,
             );
         }
         launch.out

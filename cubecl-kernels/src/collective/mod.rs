@@ -11,8 +11,8 @@
 //! rank that stops makes the others wait, which the engine's watchdog bounds.
 //!
 //! Sums of up to a few MB take the group's own kernels instead of NCCL's ([`peer`]: every rank
-//! reads its peers' buffers through CUDA IPC), where the group could set them up;
-//! `BURN_NANOVLLM_ALL_REDUCE=nccl` keeps NCCL for every size.
+//! writes its data into its peers' buffers through CUDA IPC), where the group could set them
+//! up; `BURN_NANOVLLM_ALL_REDUCE=nccl` keeps NCCL for every size.
 
 mod peer;
 

@@ -63,6 +63,17 @@ struct Run {
     tp: usize,
 }
 
+impl Run {
+    /// Eager steps on one rank of `device`.
+    fn eager(device: DeviceKind) -> Self {
+        Self {
+            device,
+            steps: Steps::Eager,
+            tp: 1,
+        }
+    }
+}
+
 /// An engine (f32; bf16 on CUDA) with room for 64 sequences and small steps (prefill chunks
 /// of at most 64 tokens, mixed with decode rows); `blocks` KV blocks of 16.
 fn engine(run: Run, batch_invariant: bool, blocks: usize) -> LLMEngine {
@@ -221,11 +232,7 @@ fn after_prefix_hit(run: Run) -> Trace {
 
 /// Every case against the probe alone in eager steps.
 fn check(device: DeviceKind) {
-    let eager = Run {
-        device,
-        steps: Steps::Eager,
-        tp: 1,
-    };
+    let eager = Run::eager(device);
     let reference = alone(eager, true);
     for steps in [Steps::Eager, Steps::Graphs] {
         let run = Run { steps, ..eager };
@@ -250,11 +257,7 @@ fn a_requests_logprobs_do_not_depend_on_its_batch() {
     // The control: without the mode, the probe's decode rows take the skinny kernel alone
     // and the tiled one in the batch (CPU runtime), and its log-probabilities differ in their
     // last bits. (Were they equal, the comparisons above would prove nothing about the mode.)
-    let eager = Run {
-        device,
-        steps: Steps::Eager,
-        tp: 1,
-    };
+    let eager = Run::eager(device);
     assert_ne!(
         in_batch(eager, false),
         alone(eager, false),
@@ -267,9 +270,8 @@ fn a_requests_logprobs_do_not_depend_on_its_batch() {
 #[test]
 fn under_tensor_parallelism_too_a_requests_logprobs_do_not_depend_on_its_batch() {
     let run = Run {
-        device: DeviceKind::CubeclCpu,
-        steps: Steps::Eager,
         tp: 2,
+        ..Run::eager(DeviceKind::CubeclCpu)
     };
     let reference = alone(run, true);
     assert_eq!(in_batch(run, true), reference, "TP 2: in a batch of 64");

@@ -263,7 +263,7 @@ pub(crate) fn paged_decode(
     context_lens: CubeTensor,
     max_context: usize,
     scale: f32,
-    batch_invariant: bool,
+    order: crate::ReductionOrder,
 ) {
     let caps = DeviceCaps::of(&launch.q.client);
     let super::AttentionLaunch {
@@ -331,7 +331,7 @@ pub(crate) fn paged_decode(
     let fill = target.div_ceil(cubes).min(chunks).clamp(1, MAX_SPLITS);
     let (splits, min_keys) = match crate::knobs::Knobs::get().decode_split_keys {
         // Pieces from each row's own context: the same whatever the batch and its bound.
-        _ if batch_invariant => (
+        _ if order == crate::ReductionOrder::BatchInvariant => (
             INVARIANT_MAX_SPLITS,
             INVARIANT_SPLIT_KEYS.next_multiple_of(step),
         ),
