@@ -37,10 +37,10 @@ fn setup(c: &Qwen2Config, seqs: &[(usize, usize)], device: &Device, dtype: DType
     )
     .expect("metadata");
     let shape = [blocks, c.num_key_value_heads, BLOCK_SIZE, c.head_dim];
-    let cache = LayerKvCache {
-        k: Tensor::random(shape, Distribution::Normal(0.0, 1.0), (device, dtype)),
-        v: Tensor::random(shape, Distribution::Normal(0.0, 1.0), (device, dtype)),
-    };
+    let cache = LayerKvCache::new(
+        Tensor::random(shape, Distribution::Normal(0.0, 1.0), (device, dtype)),
+        Tensor::random(shape, Distribution::Normal(0.0, 1.0), (device, dtype)),
+    );
     let t: usize = seqs.iter().map(|s| s.0).sum();
     let q = Tensor::random(
         [t, c.num_attention_heads, c.head_dim],

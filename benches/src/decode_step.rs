@@ -150,7 +150,7 @@ impl Attention {
         let shape = [rows * per_seq, c.num_key_value_heads, BLOCK, c.head_dim];
         let kv = || Tensor::<4>::random(shape, Distribution::Normal(0.0, 1.0), (device, dtype));
         Self {
-            cache: LayerKvCache { k: kv(), v: kv() },
+            cache: LayerKvCache::new(kv(), kv()),
             meta,
             rotary: RotaryEmbedding::new(c.head_dim, ATTENTION_CONTEXT + 1, c.rope_theta, device),
             heads: c.num_attention_heads,
@@ -161,10 +161,10 @@ impl Attention {
     /// The same cache contents and metadata in `dtype` (the RoPE tables stay f32).
     fn cast(&self, dtype: DType) -> Self {
         Self {
-            cache: LayerKvCache {
-                k: self.cache.k.clone().cast(dtype),
-                v: self.cache.v.clone().cast(dtype),
-            },
+            cache: LayerKvCache::new(
+                self.cache.k.clone().cast(dtype),
+                self.cache.v.clone().cast(dtype),
+            ),
             meta: self.meta.clone(),
             rotary: self.rotary.clone(),
             heads: self.heads,

@@ -206,6 +206,7 @@ fn main() -> Result<()> {
                 tensor_parallel_size: cli.tensor_parallel_size,
                 vocab_parallel: cli.vocab_parallel,
                 batch_invariant: cli.batch_invariant,
+                kv_cache_dtype: cli.kv_cache_dtype,
                 cuda_graph_sizes: (!cli.graph_sizes.is_empty()).then(|| cli.graph_sizes.clone()),
                 num_kv_blocks: cli.num_kv_blocks,
                 record_steps: true,

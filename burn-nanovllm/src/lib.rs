@@ -24,7 +24,7 @@ mod llm;
 pub mod server;
 
 pub use chat::chat_loop;
-pub use cubecl_kernels::DeviceKind;
+pub use cubecl_kernels::{DeviceKind, KvCacheDtype};
 pub use engine::tensor_parallel::serve_if_worker;
 pub use engine::{
     EngineConfig, EngineStats, FinishReason, GpuStep, LLMEngine, RequestId, RequestMetrics,

@@ -74,7 +74,8 @@ pub mod sampling;
 pub mod silu_mul;
 
 pub use attention::{
-    AttentionMetadata, DecodeTensors, LayerKvCache, MetadataTensors, PrefillTensors, QkNorm, Rope,
+    AttentionMetadata, DecodeTensors, FP8_CARRIER, KvCacheDtype, KvQuant, LayerKvCache,
+    MetadataTensors, PrefillTensors, QkNorm, Rope,
     TileCache, paged_attention, paged_attention_ordered, prefill_tile_rows, prefill_tiles,
     rope_store_kv, store_kv,
 };

@@ -7,6 +7,7 @@ mod kernels {
     #[cfg(feature = "cuda")]
     mod collective;
     pub mod common;
+    mod fp8_kv;
     mod cpu_builtins;
     mod host_io;
     mod linear;

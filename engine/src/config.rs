@@ -1,7 +1,7 @@
 //! Engine options, fixed when the engine is built (vLLM's engine arguments).
 
 use burn::tensor::DType;
-use cubecl_kernels::DeviceKind;
+use cubecl_kernels::{DeviceKind, KvCacheDtype};
 
 use crate::error::{EngineError, Result};
 use crate::scheduler::Admission;
@@ -91,6 +91,12 @@ pub struct EngineConfig {
     /// after a preemption equals its first computation (the step graphs hold prefill chunks
     /// only). Costs speed (`docs/BENCHMARKS.md`).
     pub batch_invariant: bool,
+    /// How the KV cache stores keys and values (vLLM's `kv_cache_dtype`): `Auto`, the model's
+    /// dtype, or FP8 (`Fp8E4M3`, `Fp8E5M2`: half the bytes of bf16, so twice the blocks in the
+    /// same memory and half the bytes a decode step reads), with a scale per layer and kv head
+    /// measured at start-up on the model itself (`model_qwen2::Qwen2Model::calibrate_kv_scales`).
+    /// FP8 needs a CubeCL device (`cubecl-cpu` or CUDA).
+    pub kv_cache_dtype: KvCacheDtype,
 }
 
 impl Default for EngineConfig {
@@ -114,6 +120,7 @@ impl Default for EngineConfig {
             vocab_parallel: false,
             tensor_parallel_step_timeout: std::time::Duration::from_secs(120),
             batch_invariant: false,
+            kv_cache_dtype: KvCacheDtype::Auto,
             enable_prefix_caching: true,
             seed: 0,
             record_steps: false,
@@ -227,6 +234,16 @@ impl EngineConfig {
                 "needs a CubeCL device (cubecl-cpu or cuda): Burn's CPU backend's matrix \
                  products change their blocking with the number of rows"
                     .to_string(),
+            ));
+        }
+        if self.kv_cache_dtype.is_fp8() && self.device == DeviceKind::Cpu {
+            return Err(c(
+                "kv_cache_dtype",
+                format!(
+                    "{} needs a CubeCL device (cubecl-cpu or cuda): Burn's CPU backend has no \
+                     FP8 kernels",
+                    self.kv_cache_dtype.name()
+                ),
             ));
         }
         if !(1..=1024).contains(&self.block_size) {

@@ -36,6 +36,7 @@ pub mod error;
 mod generation_config;
 mod graph_inputs;
 mod knobs;
+mod kv_calibration;
 pub mod memory;
 pub mod model_runner;
 pub mod output;
@@ -55,7 +56,7 @@ pub use block_manager::BlockManager;
 pub use config::{
     EngineConfig, TOKENS_PER_DEFAULT_SEQ, default_max_num_seqs, seqs_the_pool_serves,
 };
-pub use cubecl_kernels::DeviceKind;
+pub use cubecl_kernels::{DeviceKind, KvCacheDtype};
 pub use cuda_graph::{GraphCapture, GraphTimings, default_graph_sizes};
 pub use engine::{EngineLimits, LLMEngine};
 pub use error::{EngineError, Result};

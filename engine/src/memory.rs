@@ -5,7 +5,7 @@ use std::sync::Arc;
 
 use burn::tensor::{DType, Device};
 use cubecl_kernels::DeviceKind;
-use model_qwen2::{KvCache, Qwen2Config, Qwen2Model};
+use model_qwen2::{KvCache, KvCacheDtype, Qwen2Config, Qwen2Model};
 
 use crate::config::EngineConfig;
 use crate::device_info::cuda_memory;
@@ -32,7 +32,7 @@ pub(crate) fn size_kv_pool(
     let bs = config.block_size;
     let most = config.max_num_seqs() * max_model_len.div_ceil(bs);
     let DeviceKind::Cuda(index) = config.device else {
-        let fits = blocks_in(config.cpu_kv_cache_bytes, c, bs, dtype);
+        let fits = blocks_in(config.cpu_kv_cache_bytes, c, bs, dtype, config.kv_cache_dtype);
         return Ok((most.min(fits).max(max_model_len.div_ceil(bs)), 0));
     };
     let read = || {
@@ -46,7 +46,7 @@ pub(crate) fn size_kv_pool(
         .saturating_sub(reserved)
         .saturating_sub(graphs)
         .saturating_sub(working_set);
-    let blocks = blocks_in(budget, c, bs, dtype).min(2 * most);
+    let blocks = blocks_in(budget, c, bs, dtype, config.kv_cache_dtype).min(2 * most);
     if blocks * bs < max_model_len {
         return Err(EngineError::Device(format!(
             "only {blocks} KV blocks of {bs} tokens fit in gpu_memory_utilization = {} of the \
@@ -84,7 +84,8 @@ fn measure_graph_bytes(
     let (dtype, bs) = (model.dtype(), config.block_size);
     let blocks = max_model_len.div_ceil(bs);
     let (before, _) = free()?;
-    let cache = KvCache::new(&model.config, blocks, bs, dtype, device)?;
+    let kv_dtype = config.kv_cache_dtype;
+    let cache = KvCache::with_dtype(&model.config, blocks, bs, dtype, kv_dtype, device)?;
     let probe = ModelRunner::new(
         model.clone(),
         cache,
@@ -97,11 +98,17 @@ fn measure_graph_bytes(
     )?;
     let (after, _) = free()?;
     drop(probe);
-    let cache_bytes = blocks * KvCache::bytes_per_block(&model.config, bs, dtype);
+    let cache_bytes = blocks * KvCache::bytes_per_block(&model.config, bs, dtype, kv_dtype);
     Ok(before.saturating_sub(after).saturating_sub(cache_bytes))
 }
 
-/// Blocks that fit in `budget` bytes.
-pub fn blocks_in(budget: usize, config: &Qwen2Config, block_size: usize, dtype: DType) -> usize {
-    budget / KvCache::bytes_per_block(config, block_size, dtype).max(1)
+/// Blocks that fit in `budget` bytes for a model of `dtype` whose cache stores `kv_dtype`.
+pub fn blocks_in(
+    budget: usize,
+    config: &Qwen2Config,
+    block_size: usize,
+    dtype: DType,
+    kv_dtype: KvCacheDtype,
+) -> usize {
+    budget / KvCache::bytes_per_block(config, block_size, dtype, kv_dtype).max(1)
 }

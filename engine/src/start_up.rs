@@ -8,7 +8,7 @@ use std::sync::Arc;
 
 use burn::tensor::{DType, Device};
 use cubecl_kernels::DeviceKind;
-use model_qwen2::{KvCache, Qwen2Config, Qwen2Model, Qwen2Tokenizer};
+use model_qwen2::{KvCache, KvCacheDtype, KvScales, Qwen2Config, Qwen2Model, Qwen2Tokenizer};
 
 use crate::block_manager::BlockManager;
 use crate::config::EngineConfig;
@@ -45,6 +45,10 @@ pub struct EngineLimits {
     /// Device bytes the step graphs took when they were captured to size the KV pool
     /// (0 when `num_kv_blocks` was given, or off CUDA).
     pub graph_memory: usize,
+    /// How the KV cache stores keys and values.
+    pub kv_cache_dtype: KvCacheDtype,
+    /// An FP8 cache's scales, measured at start-up (`None` otherwise).
+    pub kv_scales: Option<KvScales>,
 }
 
 /// What start-up built, for the engine to hold.
@@ -114,6 +118,13 @@ pub(crate) fn start(
         let after = device_info::cuda_memory(index).map_or(0, |(free, _)| free);
         working_set = before.saturating_sub(after);
     }
+    let kv_scales = crate::kv_calibration::measure_kv_scales(
+        &model,
+        tokenizer.as_deref(),
+        &config,
+        max_model_len,
+        &device,
+    )?;
     let (num_kv_blocks, graph_memory) = match config.num_kv_blocks {
         Some(n) => (n, 0),
         None => memory::size_kv_pool(&model, &device, &config, max_model_len, working_set)?,
@@ -136,13 +147,18 @@ pub(crate) fn start(
     // The pool lives as long as the engine: in persistent memory, its layers do not size
     // the dynamic pools' pages, which every step graph keeps some of.
     let cache = cubecl_kernels::persistent(&device, (), |()| {
-        KvCache::new(
+        let mut cache = KvCache::with_dtype(
             &model_config,
             num_kv_blocks,
             config.block_size,
             dtype,
+            config.kv_cache_dtype,
             &device,
-        )
+        )?;
+        if let Some(scales) = &kv_scales {
+            cache.set_scales(scales)?;
+        }
+        Ok::<_, model_qwen2::ModelError>(cache)
     })?;
     let mut runner = ModelRunner::new(
         model,
@@ -187,6 +203,8 @@ pub(crate) fn start(
         graph_failures: runner.graph_failures(),
         graph_captures: runner.graph_captures(),
         graph_memory,
+        kv_cache_dtype: config.kv_cache_dtype,
+        kv_scales,
     };
     let structured = StructuredOutputs::new(
         tokenizer.clone(),

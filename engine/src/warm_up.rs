@@ -61,11 +61,13 @@ fn warm_up_step(
         left -= l;
     }
     let blocks: Vec<usize> = contexts.iter().map(|l| l.div_ceil(bs)).collect();
-    let mut cache = KvCache::new(
+    // FP8 caches compile their kernels here too (scales of 1: the values do not matter).
+    let mut cache = KvCache::with_dtype(
         &model.config,
         blocks.iter().sum(),
         bs,
         model.dtype(),
+        config.kv_cache_dtype,
         device,
     )?;
     let mut next = 0u32;

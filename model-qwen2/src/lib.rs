@@ -26,6 +26,7 @@
 mod config;
 mod error;
 mod kv_cache;
+mod kv_scales;
 pub mod layers;
 mod model;
 pub mod tensor_parallel;
@@ -35,7 +36,9 @@ mod weights;
 pub use config::{Architecture, Qwen2Config};
 pub use cubecl_kernels::AttentionMetadata;
 pub use error::{ModelError, Result};
-pub use kv_cache::KvCache;
+pub use kv_cache::{KvCache, KvScales};
+pub use kv_scales::KV_SCALE_HEADROOM;
+pub use cubecl_kernels::KvCacheDtype;
 pub use model::{LogitsRows, Qwen2Model};
 #[cfg(feature = "cuda")]
 pub use tensor_parallel::NcclAllReduce;

@@ -101,13 +101,14 @@ fn load(model: &ModelArgs, config: EngineConfig) -> Result<LLM> {
     let llm = LLM::new(&dir, config).with_context(|| format!("loading {}", dir.display()))?;
     let limits = llm.engine().limits();
     eprintln!(
-        "loaded {} in {:.2?} on {:?} ({:?}): {} KV blocks of {} tokens, max_model_len {}, {}",
+        "loaded {} in {:.2?} on {:?} ({:?}): {} KV blocks of {} tokens ({}), max_model_len {}, {}",
         dir.display(),
         start.elapsed(),
         model.device,
         limits.dtype,
         limits.num_kv_blocks,
         limits.block_size,
+        limits.kv_cache_dtype.name(),
         limits.max_model_len,
         if limits.graph_sizes.is_empty() {
             "eager".to_string()

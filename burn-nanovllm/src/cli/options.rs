@@ -6,7 +6,7 @@ use std::path::PathBuf;
 use anyhow::{Context, Result};
 use burn::tensor::DType;
 use burn_nanovllm::hub::resolve_model;
-use burn_nanovllm::{DeviceKind, EngineConfig, SamplingParams, StructuredOutput};
+use burn_nanovllm::{DeviceKind, EngineConfig, KvCacheDtype, SamplingParams, StructuredOutput};
 use clap::Args;
 
 #[derive(Args)]
@@ -74,6 +74,15 @@ pub(crate) struct EngineArgs {
     /// (one reduction order per row, at some cost in speed).
     #[arg(long)]
     pub(crate) batch_invariant: bool,
+    /// How the KV cache stores keys and values: auto (the model's dtype), fp8 (= fp8_e4m3) or
+    /// fp8_e5m2 (half the bytes: twice the KV blocks; scales measured at start-up).
+    #[arg(long, default_value = "auto", value_parser = parse_kv_cache_dtype)]
+    pub(crate) kv_cache_dtype: KvCacheDtype,
+}
+
+/// `--kv-cache-dtype`'s parser (vLLM's names).
+pub(crate) fn parse_kv_cache_dtype(name: &str) -> std::result::Result<KvCacheDtype, String> {
+    KvCacheDtype::parse(name).map_err(|e| e.to_string())
 }
 
 /// Sampling options (vLLM's names); unset ones come from the model's generation_config.json.
@@ -178,6 +187,7 @@ pub(crate) fn engine_config(model: &ModelArgs, e: &EngineArgs) -> EngineConfig {
         tensor_parallel_size: e.tensor_parallel_size,
         vocab_parallel: e.vocab_parallel,
         batch_invariant: e.batch_invariant,
+        kv_cache_dtype: e.kv_cache_dtype,
         ..EngineConfig::default()
     }
 }

@@ -1,6 +1,8 @@
 //! The paged key/value storage of one attention layer.
 
 use burn::tensor::{DType, Device, Tensor};
+use burn_cubecl::tensor::CubeTensor;
+use cubecl::ir::{ElemType, FloatKind};
 use cubecl::prelude::*;
 
 use crate::KernelError;
@@ -16,22 +18,163 @@ use crate::KernelError;
 /// Triton read of a decode step's cache 2–11 % faster at 78–256 sequences, 30 % at 32
 /// (`scripts/baselines/kv_layout_read.py`, docs/BENCHMARKS.md). `cache_row` (private) is the
 /// layout's one address formula.
+///
+/// With [`KvQuant`] the caches hold FP8 bytes: the KV write divides by the kv head's scale and
+/// rounds (saturating), the attention kernels multiply by it as they load. Burn has no 8-bit
+/// float dtype and a float tensor cannot hold `U8`, so an FP8 cache is carried by an f16 tensor
+/// of half the head width (`[num_blocks, num_kv_heads, block_size, head_dim / 2]`, the same
+/// bytes), which the kernels view as FP8 bytes; [`LayerKvCache::dims`] reports the logical
+/// shape.
 #[derive(Clone, Debug)]
 pub struct LayerKvCache {
-    /// Keys, `[num_blocks, num_kv_heads, block_size, head_dim]`.
+    /// Keys, `[num_blocks, num_kv_heads, block_size, head_dim]` (an FP8 cache's carrier: `head_dim
+    /// / 2` f16).
     pub k: Tensor<4>,
     /// Values, same shape as `k`.
     pub v: Tensor<4>,
+    /// FP8 storage and its scales; `None`: keys and values in the model's dtype.
+    pub quant: Option<KvQuant>,
+}
+
+/// The storage format of a KV cache (vLLM's `kv_cache_dtype`).
+#[derive(
+    Clone, Copy, Debug, Default, PartialEq, Eq, Hash, serde::Serialize, serde::Deserialize,
+)]
+pub enum KvCacheDtype {
+    /// The model's dtype.
+    #[default]
+    #[serde(rename = "auto")]
+    Auto,
+    /// FP8 E4M3 (OCP, largest finite 448): 3 mantissa bits.
+    #[serde(rename = "fp8_e4m3", alias = "fp8")]
+    Fp8E4M3,
+    /// FP8 E5M2 (largest finite 57,344): 2 mantissa bits, more range.
+    #[serde(rename = "fp8_e5m2")]
+    Fp8E5M2,
+}
+
+impl KvCacheDtype {
+    /// Parses vLLM's names: `auto`, `fp8` (= `fp8_e4m3`), `fp8_e4m3`, `fp8_e5m2`.
+    pub fn parse(name: &str) -> Result<Self, KernelError> {
+        match name {
+            "auto" => Ok(Self::Auto),
+            "fp8" | "fp8_e4m3" => Ok(Self::Fp8E4M3),
+            "fp8_e5m2" => Ok(Self::Fp8E5M2),
+            _ => Err(KernelError::invalid(format!(
+                "kv_cache_dtype `{name}` is not one of auto, fp8, fp8_e4m3, fp8_e5m2"
+            ))),
+        }
+    }
+
+    /// vLLM's name of the format.
+    pub fn name(self) -> &'static str {
+        match self {
+            Self::Auto => "auto",
+            Self::Fp8E4M3 => "fp8_e4m3",
+            Self::Fp8E5M2 => "fp8_e5m2",
+        }
+    }
+
+    /// True for the FP8 formats.
+    pub fn is_fp8(self) -> bool {
+        self != Self::Auto
+    }
+
+    /// Bytes of one stored element for a model of `dtype`.
+    pub fn element_bytes(self, dtype: DType) -> usize {
+        if self.is_fp8() { 1 } else { dtype.size() }
+    }
+
+    /// The largest finite value of the FP8 format (`None` for `Auto`).
+    pub fn max_finite(self) -> Option<f32> {
+        match self {
+            Self::Auto => None,
+            Self::Fp8E4M3 => Some(448.0),
+            Self::Fp8E5M2 => Some(57344.0),
+        }
+    }
+
+    /// The CubeCL element the kernels read and write for a model of `dtype`.
+    pub(crate) fn storage(self, dtype: DType) -> ElemType {
+        match self {
+            Self::Auto => burn::backend::cubecl::dtype_to_storage_type(dtype),
+            Self::Fp8E4M3 => ElemType::Float(FloatKind::E4M3),
+            Self::Fp8E5M2 => ElemType::Float(FloatKind::E5M2),
+        }
+    }
+
+    /// Rounds `x` to the format as the KV write does (round to nearest even, saturating at the
+    /// largest finite value): the host reference of a stored element, already divided by its
+    /// scale. `Auto` returns `x`.
+    pub fn round(self, x: f32) -> f32 {
+        match self {
+            Self::Auto => x,
+            Self::Fp8E4M3 => cubecl::e4m3::from_f32(x).to_f32(),
+            Self::Fp8E5M2 => cubecl::e5m2::from_f32(x).to_f32(),
+        }
+    }
+
+    /// The value of stored byte `bits` (`Auto`: not a byte format, NaN).
+    pub fn decode(self, bits: u8) -> f32 {
+        match self {
+            Self::Auto => f32::NAN,
+            Self::Fp8E4M3 => cubecl::e4m3::from_bits(bits).to_f32(),
+            Self::Fp8E5M2 => cubecl::e5m2::from_bits(bits).to_f32(),
+        }
+    }
+}
+
+/// An FP8 cache's format and scales: stored = round(x / scale), read = stored · scale.
+#[derive(Clone, Debug)]
+pub struct KvQuant {
+    /// The FP8 format (never `Auto`).
+    pub dtype: KvCacheDtype,
+    /// `[2 · num_kv_heads]` f32: the keys' scale of each kv head, then the values'.
+    pub scales: Tensor<1>,
+}
+
+/// The dtype of the tensors that carry an FP8 cache's bytes (two to an element).
+pub const FP8_CARRIER: DType = DType::F16;
+
+/// The kernels' view of a cache tensor: an FP8 cache's carrier ([`FP8_CARRIER`], `[…, D / 2]`)
+/// as the `U8` bytes it holds (`[…, D]`); any other cache as it is.
+pub(crate) fn fp8_bytes(t: CubeTensor, kv_dtype: KvCacheDtype) -> CubeTensor {
+    if !kv_dtype.is_fp8() {
+        return t;
+    }
+    let mut shape = t.meta.shape().clone();
+    let last = shape.num_dims() - 1;
+    shape[last] *= 2;
+    CubeTensor::new_contiguous(t.client, t.device, shape, t.handle, DType::U8)
+}
+
+/// The inverse of [`fp8_bytes`]: the carrier of a `U8` view.
+pub(crate) fn fp8_carrier(t: CubeTensor, kv_dtype: KvCacheDtype) -> CubeTensor {
+    if !kv_dtype.is_fp8() {
+        return t;
+    }
+    let mut shape = t.meta.shape().clone();
+    let last = shape.num_dims() - 1;
+    shape[last] /= 2;
+    CubeTensor::new_contiguous(t.client, t.device, shape, t.handle, FP8_CARRIER)
 }
 
 impl LayerKvCache {
-    /// Allocates a zeroed cache (zeroing also makes the allocation real on lazy allocators).
+    /// An unquantised cache of `k` and `v` (`[num_blocks, num_kv_heads, block_size, head_dim]`).
+    pub fn new(k: Tensor<4>, v: Tensor<4>) -> Self {
+        Self { k, v, quant: None }
+    }
+
+    /// Allocates a zeroed cache (zeroing also makes the allocation real on lazy allocators)
+    /// for a model of `dtype`, stored as `kv_dtype`; an FP8 cache starts with scales of 1.
+    #[allow(clippy::too_many_arguments)]
     pub fn zeros(
         num_blocks: usize,
         block_size: usize,
         num_kv_heads: usize,
         head_dim: usize,
         dtype: DType,
+        kv_dtype: KvCacheDtype,
         device: &Device,
     ) -> Result<Self, KernelError> {
         if !(1..=1024).contains(&block_size) {
@@ -43,18 +186,75 @@ impl LayerKvCache {
         // Made 1-D and viewed as 4-D: the kernels index the cache contiguously, and a 4-D CUDA
         // tensor is row-pitched when a head's row is not a power of two of bytes (head_dim 24,
         // 40, 48, 80, 96, …), which would make every write copy the whole layer.
-        let zeros = || {
-            Tensor::<1>::zeros([shape.iter().product::<usize>()], (device, dtype)).reshape(shape)
+        let (shape, stored) = if kv_dtype.is_fp8() {
+            if !head_dim.is_multiple_of(2) {
+                return Err(KernelError::invalid(format!(
+                    "an FP8 KV cache needs an even head_dim, got {head_dim}"
+                )));
+            }
+            ([num_blocks, num_kv_heads, block_size, head_dim / 2], FP8_CARRIER)
+        } else {
+            (shape, dtype)
         };
+        let zeros = || {
+            Tensor::<1>::zeros([shape.iter().product::<usize>()], (device, stored)).reshape(shape)
+        };
+        let quant = kv_dtype.is_fp8().then(|| KvQuant {
+            dtype: kv_dtype,
+            scales: Tensor::ones([2 * num_kv_heads], (device, DType::F32)),
+        });
         Ok(Self {
             k: zeros(),
             v: zeros(),
+            quant,
         })
     }
 
-    /// `[num_blocks, num_kv_heads, block_size, head_dim]`.
+    /// The storage format.
+    pub fn kv_dtype(&self) -> KvCacheDtype {
+        self.quant.as_ref().map_or(KvCacheDtype::Auto, |q| q.dtype)
+    }
+
+    /// Sets an FP8 cache's scales: `k_scales`, `v_scales` one per kv head, finite and positive.
+    /// Errors on an unquantised cache or bad values.
+    pub fn set_scales(&mut self, k_scales: &[f32], v_scales: &[f32]) -> Result<(), KernelError> {
+        let heads = self.kv_heads();
+        let Some(quant) = self.quant.as_mut() else {
+            return Err(KernelError::invalid(
+                "KV cache scales given for an unquantised cache".to_string(),
+            ));
+        };
+        if k_scales.len() != heads || v_scales.len() != heads {
+            return Err(KernelError::invalid(format!(
+                "KV cache scales: {} key and {} value scales for {heads} kv heads",
+                k_scales.len(),
+                v_scales.len()
+            )));
+        }
+        let all: Vec<f32> = k_scales.iter().chain(v_scales).copied().collect();
+        if let Some(bad) = all.iter().find(|s| !(s.is_finite() && **s > 0.0)) {
+            return Err(KernelError::invalid(format!(
+                "KV cache scale {bad} is not finite and positive"
+            )));
+        }
+        let device = quant.scales.device();
+        quant.scales = Tensor::from_data(
+            burn::tensor::TensorData::new(all, [2 * heads]),
+            (&device, DType::F32),
+        );
+        Ok(())
+    }
+
+    /// `[num_blocks, num_kv_heads, block_size, head_dim]` (the logical shape: an FP8 cache's
+    /// carrier tensors are half as wide).
     pub fn dims(&self) -> [usize; 4] {
-        self.k.dims()
+        let [nb, kvh, bs, w] = self.k.dims();
+        [nb, kvh, bs, if self.quant.is_some() { 2 * w } else { w }]
+    }
+
+    /// The dtype of the tensors `k` and `v`: the model's, or [`FP8_CARRIER`] for an FP8 cache.
+    pub fn carrier_dtype(&self) -> DType {
+        self.k.dtype()
     }
 
     /// Tokens per block.
@@ -90,4 +290,52 @@ pub(crate) fn cache_row(
     #[comptime] block_size: usize,
 ) -> usize {
     (block * kv_heads + kvh) * block_size + offset
+}
+
+/// A cube's kv head scales `(key, value)` from `scales [2 · kv_heads]` (see [`KvQuant`]); 1 when
+/// the cache is not `quantised` (then `scales` is a placeholder and is not read).
+#[cube]
+pub(crate) fn head_scales(
+    scales: &cubecl::prelude::Tensor<f32>,
+    kvh: usize,
+    #[comptime] kv_heads: usize,
+    #[comptime] quantised: bool,
+) -> (f32, f32) {
+    let mut ks = 1.0f32;
+    let mut vs = 1.0f32;
+    if comptime!(quantised) {
+        ks = scales[kvh];
+        vs = scales[kv_heads + kvh];
+    }
+    (ks, vs)
+}
+
+/// A cache vector as `F`: `x · scale` when `quantised` (FP8 storage), else `x` itself (the
+/// cache already holds `F`).
+#[cube]
+pub(crate) fn dequantise<KV: Float, F: Float, NV: Size>(
+    x: Vector<KV, NV>,
+    scale: f32,
+    #[comptime] quantised: bool,
+) -> Vector<F, NV> {
+    if comptime!(quantised) {
+        Vector::<F, NV>::cast_from(Vector::<f32, NV>::cast_from(x) * Vector::new(scale))
+    } else {
+        Vector::<F, NV>::cast_from(x)
+    }
+}
+
+/// A cache vector as f32: `x · scale` when `quantised`, else `x`.
+#[cube]
+pub(crate) fn dequantise_f32<KV: Float, NV: Size>(
+    x: Vector<KV, NV>,
+    scale: f32,
+    #[comptime] quantised: bool,
+) -> Vector<f32, NV> {
+    let y = Vector::<f32, NV>::cast_from(x);
+    if comptime!(quantised) {
+        y * Vector::new(scale)
+    } else {
+        y
+    }
 }

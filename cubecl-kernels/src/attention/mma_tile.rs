@@ -26,7 +26,7 @@
 use cubecl::cmma::{MatrixIdent, MmaDefinition};
 use cubecl::prelude::*;
 
-use super::kv_cache::cache_row;
+use super::kv_cache::{cache_row, dequantise};
 
 /// Shape of a K/V stage and of the units that fill it.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
@@ -57,13 +57,13 @@ impl KvStage {
 }
 
 /// Loads unit `unit`'s share of the K and V rows of keys `k0 .. k0 + keys` of kv head `kvh`
-/// into registers: vector `unit + units·i` of the stage goes to slot `i` of `kr`/`vr`; zeros for
-/// keys from `end` on.
+/// into registers, as stored (`KV`: FP8 stays 8 bits until [`put_kv`]): vector `unit +
+/// units·i` of the stage goes to slot `i` of `kr`/`vr`; zeros for keys from `end` on.
 #[cube]
 #[allow(clippy::too_many_arguments)]
-pub fn fetch_kv<F: Float, NV: Size>(
-    k_cache: &Tensor<Vector<F, NV>>,
-    v_cache: &Tensor<Vector<F, NV>>,
+pub fn fetch_kv<KV: Float, NV: Size>(
+    k_cache: &Tensor<Vector<KV, NV>>,
+    v_cache: &Tensor<Vector<KV, NV>>,
     block_tables: &Tensor<i32>,
     table_row: usize,
     #[comptime] block_size: usize,
@@ -71,20 +71,21 @@ pub fn fetch_kv<F: Float, NV: Size>(
     k0: usize,
     end: usize,
     unit: usize,
-    kr: &mut Array<Vector<F, NV>>,
-    vr: &mut Array<Vector<F, NV>>,
+    kr: &mut Array<Vector<KV, NV>>,
+    vr: &mut Array<Vector<KV, NV>>,
     #[comptime] st: KvStage,
 ) {
     let dv = comptime!(st.head_dim / 8);
     let total = comptime!(st.keys * st.head_dim / 8);
     // Every slot holds a vector of the stage: no bound to check.
     let exact = comptime!(total.is_multiple_of(st.units));
+    let zero = Vector::<KV, NV>::cast_from(Vector::<f32, NV>::new(0.0));
     #[unroll]
     for i in 0..comptime!(st.per_unit()) {
         let idx = i * comptime!(st.units) + unit;
         let key = k0 + idx / dv;
-        let mut kv = Vector::<F, NV>::new(F::new(0.0));
-        let mut vv = Vector::<F, NV>::new(F::new(0.0));
+        let mut kv = zero;
+        let mut vv = zero;
         if key < end && (exact || idx < total) {
             let block = block_tables[table_row + key / block_size] as usize;
             let at =
@@ -97,28 +98,33 @@ pub fn fetch_kv<F: Float, NV: Size>(
     }
 }
 
-/// Stores what [`fetch_kv`] loaded into the stage at `offset` (in vectors) of `k_s` / `v_s`.
+/// Stores what [`fetch_kv`] loaded into the stage at `offset` (in vectors) of `k_s` / `v_s`,
+/// as `F` (dequantised by `scales` = (key, value) when `quantised`).
 #[cube]
-pub fn put_kv<F: Float, NV: Size>(
+#[allow(clippy::too_many_arguments)]
+pub fn put_kv<F: Float, KV: Float, NV: Size>(
     k_s: &mut Shared<[Vector<F, NV>]>,
     v_s: &mut Shared<[Vector<F, NV>]>,
     offset: usize,
     unit: usize,
-    kr: &Array<Vector<F, NV>>,
-    vr: &Array<Vector<F, NV>>,
+    kr: &Array<Vector<KV, NV>>,
+    vr: &Array<Vector<KV, NV>>,
+    scales: (f32, f32),
+    #[comptime] quantised: bool,
     #[comptime] st: KvStage,
 ) {
     let dv = comptime!(st.head_dim / 8);
     let total = comptime!(st.keys * st.head_dim / 8);
     // Every slot holds a vector of the stage: no bound to check.
     let exact = comptime!(total.is_multiple_of(st.units));
+    let (ks, vs) = scales;
     #[unroll]
     for i in 0..comptime!(st.per_unit()) {
         let idx = i * comptime!(st.units) + unit;
         if exact || idx < total {
             let at = offset + (idx / dv) * (dv + 1) + idx % dv;
-            k_s[at] = kr[i];
-            v_s[at] = vr[i];
+            k_s[at] = dequantise::<KV, F, NV>(kr[i], ks, quantised);
+            v_s[at] = dequantise::<KV, F, NV>(vr[i], vs, quantised);
         }
     }
 }
@@ -128,13 +134,16 @@ pub fn put_kv<F: Float, NV: Size>(
 /// `qa`, while unit `unit`'s share of the next stage is in flight in registers ([`fetch_kv`])
 /// and stored after the compute ([`put_kv`]) into the other half of this stream's two stages at
 /// vector `own` of the shared K/V slices (`shared_len` vectors each, allocated here for the
-/// cube). `plane_stream`: the stream belongs to one plane (its barriers are plane barriers;
+/// cube). An FP8 cache (`quantised`, `KV`) is dequantised by `scales` = (key, value) as the
+/// stage is stored. `plane_stream`: the stream belongs to one plane (its barriers are plane barriers;
 /// decode, one stream per plane), else to the cube (prefill).
 #[cube]
 #[allow(clippy::too_many_arguments)]
-pub fn attend_kv_stream<F: Float, NV: Size, NP: Size>(
-    k_cache: &Tensor<Vector<F, NV>>,
-    v_cache: &Tensor<Vector<F, NV>>,
+pub fn attend_kv_stream<F: Float, KV: Float, NV: Size, NP: Size>(
+    k_cache: &Tensor<Vector<KV, NV>>,
+    v_cache: &Tensor<Vector<KV, NV>>,
+    scales: (f32, f32),
+    #[comptime] quantised: bool,
     block_tables: &Tensor<i32>,
     table_row: usize,
     #[comptime] block_size: usize,
@@ -157,8 +166,8 @@ pub fn attend_kv_stream<F: Float, NV: Size, NP: Size>(
     let stage_len = comptime!(st.len());
     let mut k_s = Shared::<[Vector<F, NV>]>::new_aligned_slice(shared_len, 16usize);
     let mut v_s = Shared::<[Vector<F, NV>]>::new_aligned_slice(shared_len, 16usize);
-    let mut kr = Array::<Vector<F, NV>>::new(comptime!(st.per_unit()));
-    let mut vr = Array::<Vector<F, NV>>::new(comptime!(st.per_unit()));
+    let mut kr = Array::<Vector<KV, NV>>::new(comptime!(st.per_unit()));
+    let mut vr = Array::<Vector<KV, NV>>::new(comptime!(st.per_unit()));
     fetch_kv(
         k_cache,
         v_cache,
@@ -173,7 +182,9 @@ pub fn attend_kv_stream<F: Float, NV: Size, NP: Size>(
         &mut vr,
         st,
     );
-    put_kv(&mut k_s, &mut v_s, own, unit, &kr, &vr, st);
+    put_kv::<F, KV, NV>(
+        &mut k_s, &mut v_s, own, unit, &kr, &vr, scales, quantised, st,
+    );
     stream_barrier(plane_stream);
     let mut k0 = first;
     let mut buf = 0usize;
@@ -212,13 +223,15 @@ pub fn attend_kv_stream<F: Float, NV: Size, NP: Size>(
             shared_len,
         );
         if has_next {
-            put_kv(
+            put_kv::<F, KV, NV>(
                 &mut k_s,
                 &mut v_s,
                 own + (1 - buf) * stage_len,
                 unit,
                 &kr,
                 &vr,
+                scales,
+                quantised,
                 st,
             );
         }

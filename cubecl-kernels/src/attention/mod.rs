@@ -18,13 +18,13 @@ pub(crate) mod prefill;
 pub mod reference;
 pub(crate) mod store_kv;
 
-use burn::backend::{Dispatch, DispatchDevice};
+use burn::backend::{Dispatch, DispatchDevice, DispatchTensor};
 use burn::tensor::Shape;
 use burn::tensor::{DType, Tensor};
 use burn_cubecl::{kernel::into_contiguous, ops::numeric::empty_device_dtype, tensor::CubeTensor};
 use cubecl::prelude::AddressType;
 
-pub use kv_cache::LayerKvCache;
+pub use kv_cache::{FP8_CARRIER, KvCacheDtype, KvQuant, LayerKvCache};
 pub use metadata::{
     AttentionMetadata, DecodeTensors, MetadataTensors, PrefillTensors, TileCache, prefill_tiles,
 };
@@ -58,6 +58,8 @@ pub struct AttentionPlan {
     /// How the kernels reduce ([`crate::ReductionOrder::BatchInvariant`]: decode splits from
     /// each row's own context only, prefill tiles shaped for one-query rows).
     pub order: crate::ReductionOrder,
+    /// How the cache stores keys and values (FP8: dequantised by the scales as it is read).
+    pub kv_dtype: KvCacheDtype,
 }
 
 /// Qwen3's per-head RMSNorm of queries and keys (weights `[head_dim]`).
@@ -89,6 +91,7 @@ pub fn store_kv(cache: &mut LayerKvCache, k: Tensor<3>, v: Tensor<3>, meta: &Att
         qk_norm: false,
         row_scale: false,
         row_bias: false,
+        kv_dtype: cache.kv_dtype(),
     };
     let k = k.reshape([t, kv_heads * d]);
     let v = v.reshape([t, kv_heads * d]);
@@ -168,6 +171,7 @@ pub fn rope_store_kv(
         qk_norm: qk_norm.is_some(),
         row_scale: row_scale.is_some(),
         row_bias: row_scale.is_some_and(|s| s.bias.is_some()),
+        kv_dtype: cache.kv_dtype(),
     };
     let q = launch_store(
         cache,
@@ -217,6 +221,7 @@ fn launch_store(
         Some(r) => (r.cos.clone().into_dispatch(), r.sin.clone().into_dispatch()),
         None => (placeholder(), placeholder()),
     };
+    let scales = kv_scales_arg(cache, placeholder);
     // Moved out (not cloned) so that the kernel may write the buffers in place.
     let (kc, vc) = (cache.k.extract(), cache.v.extract());
     let (q_out, kc, vc) = Dispatch::rope_store_kv(
@@ -233,6 +238,7 @@ fn launch_store(
         meta.tensors.slot_mapping.clone().into_dispatch(),
         kc.into_dispatch(),
         vc.into_dispatch(),
+        scales,
         layout,
         [eps, row_eps],
     );
@@ -296,9 +302,11 @@ pub fn paged_attention_ordered(
         decode_context_bound: decode.map(|_| meta.context_bound),
         prefill_tile_rows: tile_rows,
         order,
+        kv_dtype: cache.kv_dtype(),
     };
     // Absent parts get placeholders (never read).
     let placeholder = || meta.tensors.slot_mapping.clone().into_dispatch();
+    let scales = kv_scales_arg(cache, placeholder);
     let (decode_tables, decode_context) = match decode {
         Some(part) => (
             part.block_tables.clone().into_dispatch(),
@@ -321,6 +329,7 @@ pub fn paged_attention_ordered(
         q.into_dispatch(),
         cache.k.clone().into_dispatch(),
         cache.v.clone().into_dispatch(),
+        scales,
         decode_tables,
         decode_context,
         prefill_tables,
@@ -373,10 +382,25 @@ fn check_cache(
             "cache holds {ckvh} kv heads of width {cd}, the input {kv_heads} of width {d}"
         )));
     }
-    if cache.k.dtype() != dtype || cache.v.dtype() != dtype {
+    let stored = if cache.kv_dtype().is_fp8() {
+        kv_cache::FP8_CARRIER
+    } else {
+        dtype
+    };
+    if cache.k.dtype() != stored || cache.v.dtype() != stored {
         return Err(KernelError::invalid(format!(
-            "cache dtype {:?} differs from the input's {dtype:?}",
+            "cache dtype {:?} differs from the input's {dtype:?} (stored as {stored:?})",
             cache.k.dtype()
+        )));
+    }
+    if let Some(q) = &cache.quant
+        && (q.scales.dims() != [2 * kv_heads] || q.scales.dtype() != DType::F32)
+    {
+        return Err(KernelError::invalid(format!(
+            "FP8 cache scales of shape {:?} and dtype {:?}; expected [{}] f32",
+            q.scales.dims(),
+            q.scales.dtype(),
+            2 * kv_heads
         )));
     }
     if bs != meta.block_size {
@@ -391,6 +415,17 @@ fn check_cache(
         )));
     }
     Ok(())
+}
+
+/// The kernels' scales argument: an FP8 cache's scales, else `placeholder()` (never read).
+fn kv_scales_arg(
+    cache: &LayerKvCache,
+    placeholder: impl FnOnce() -> DispatchTensor,
+) -> DispatchTensor {
+    match &cache.quant {
+        Some(q) => q.scales.clone().into_dispatch(),
+        None => placeholder(),
+    }
 }
 
 /// What the attention launchers read off their operands: `q [rows, heads, D]` (made

@@ -56,12 +56,14 @@ pub struct QkvLayout {
     pub row_scale: bool,
     /// Add the projection's bias after the row scale.
     pub row_bias: bool,
+    /// How the caches store keys and values (FP8: scaled by `kv_scales`).
+    pub kv_dtype: super::KvCacheDtype,
 }
 
 pub(crate) mod kernel {
     use cubecl::prelude::*;
 
-    use crate::attention::kv_cache::cache_row;
+    use crate::attention::kv_cache::{cache_row, head_scales};
     use crate::row_scale::row_inv_rms;
 
     /// Comptime part of the launch.
@@ -82,6 +84,20 @@ pub(crate) mod kernel {
         pub heads_per_cube: usize,
         /// Reduce through plane operations (`U` is then a multiple of the plane size).
         pub use_plane: bool,
+        /// The caches hold FP8 (`KV`): values are divided by their kv head's scale first.
+        pub quantised: bool,
+    }
+
+    /// What the cache stores for value `y`: `y` rounded to `F` (the model's activations), then,
+    /// when `quantised`, divided by `scale` and rounded to `KV` (saturating).
+    #[cube]
+    fn stored<F: Float, KV: Float>(y: f32, scale: f32, #[comptime] quantised: bool) -> KV {
+        let y = F::cast_from(y);
+        if comptime!(quantised) {
+            KV::cast_from(f32::cast_from(y) / scale)
+        } else {
+            KV::cast_from(y)
+        }
     }
 
     /// Sum of `value` over the `units` consecutive units of the caller's segment (unit
@@ -141,7 +157,7 @@ pub(crate) mod kernel {
     /// See the module documentation.
     #[cube(launch_unchecked, address_type = "dynamic")]
     #[allow(clippy::too_many_arguments)]
-    pub fn rope_store_kv<F: Float, XV: Size>(
+    pub fn rope_store_kv<F: Float, KV: Float, XV: Size>(
         q: &Tensor<F>,
         k: &Tensor<F>,
         v: &Tensor<F>,
@@ -153,8 +169,9 @@ pub(crate) mod kernel {
         sin: &Tensor<f32>,
         positions: &Tensor<i32>,
         slots: &Tensor<i32>,
-        k_cache: &mut Tensor<F>,
-        v_cache: &mut Tensor<F>,
+        k_cache: &mut Tensor<KV>,
+        v_cache: &mut Tensor<KV>,
+        kv_scales: &Tensor<f32>,
         q_out: &mut Tensor<F>,
         q_off: usize,
         k_off: usize,
@@ -163,7 +180,7 @@ pub(crate) mod kernel {
         row_eps: f32,
         pair: usize,
         #[comptime] cfg: StoreConfig,
-        #[define(F)] _dtype: ElemType,
+        #[define(F, KV)] _dtypes: [ElemType; 2],
     ) {
         let t = CUBE_POS_X as usize;
         let units = cfg.head_units;
@@ -267,6 +284,7 @@ pub(crate) mod kernel {
             scale = f32::inverse_sqrt(total / f32::cast_from(d) + eps);
         }
 
+        let (ks, vs) = head_scales(kv_scales, kv_head, cfg.kv_heads, cfg.quantised);
         let slot = max(slot, 0) as usize;
         let cache_base = cache_row(
             slot / cfg.block_size,
@@ -298,13 +316,13 @@ pub(crate) mod kernel {
                     q_out[at] = F::cast_from(y1);
                     q_out[at + pair] = F::cast_from(y2);
                 } else {
-                    k_cache[cache_base + j] = F::cast_from(y1);
-                    k_cache[cache_base + j + pair] = F::cast_from(y2);
+                    k_cache[cache_base + j] = stored::<F, KV>(y1, ks, cfg.quantised);
+                    k_cache[cache_base + j + pair] = stored::<F, KV>(y2, ks, cfg.quantised);
                     // Without a row scale `projected` is the value itself (F → f32 → F is exact).
                     let v1 = projected(vz[2 * p], row_s, row_bias, vcol + j, cfg);
                     let v2 = projected(vz[2 * p + 1], row_s, row_bias, vcol + j + pair, cfg);
-                    v_cache[cache_base + j] = F::cast_from(v1);
-                    v_cache[cache_base + j + pair] = F::cast_from(v2);
+                    v_cache[cache_base + j] = stored::<F, KV>(v1, vs, cfg.quantised);
+                    v_cache[cache_base + j + pair] = stored::<F, KV>(v2, vs, cfg.quantised);
                 }
             }
         }
@@ -333,12 +351,13 @@ pub(crate) fn rope_store_kv(
     slots: CubeTensor,
     k_cache: CubeTensor,
     v_cache: CubeTensor,
+    kv_scales: CubeTensor,
     layout: QkvLayout,
     eps: [f32; 2],
 ) -> (CubeTensor, CubeTensor, CubeTensor) {
     let caps = DeviceCaps::of(&k.client);
     let t = slots.meta.shape()[0];
-    let dtype = k_cache.dtype;
+    let dtype = k.dtype;
     let q_out = empty_device_dtype(
         k.client.clone(),
         k.device.clone(),
@@ -381,6 +400,7 @@ pub(crate) fn rope_store_kv(
         head_units,
         heads_per_cube,
         use_plane,
+        quantised: layout.kv_dtype.is_fp8(),
     };
     let x = unit_inner_stride(x);
     // Read by row stride (rows may be pitched), elements contiguous.
@@ -390,8 +410,9 @@ pub(crate) fn rope_store_kv(
     } else {
         1
     };
+    // Never written without query heads.
     let q_out_arg = if layout.heads == 0 {
-        k_cache.clone()
+        k.clone()
     } else {
         q_out.clone()
     };
@@ -417,6 +438,7 @@ pub(crate) fn rope_store_kv(
             slots.into_tensor_arg(),
             k_cache.clone().into_tensor_arg(),
             v_cache.clone().into_tensor_arg(),
+            kv_scales.into_tensor_arg(),
             q_out_arg.into_tensor_arg(),
             layout.offsets[0],
             layout.offsets[1],
@@ -425,7 +447,10 @@ pub(crate) fn rope_store_kv(
             eps[1],
             layout.head_dim / 2,
             cfg,
-            dtype_to_storage_type(dtype),
+            [
+                dtype_to_storage_type(dtype),
+                layout.kv_dtype.storage(dtype),
+            ],
         );
     }
     (q_out, k_cache, v_cache)

@@ -74,10 +74,10 @@ pub(super) fn cache(
     device: &Device,
 ) -> LayerKvCache {
     let shape = [l.num_blocks, h.kv_heads, l.block_size, h.d];
-    LayerKvCache {
-        k: tensor(&values.0, shape, dtype, device),
-        v: tensor(&values.1, shape, dtype, device),
-    }
+    LayerKvCache::new(
+        tensor(&values.0, shape, dtype, device),
+        tensor(&values.1, shape, dtype, device),
+    )
 }
 
 /// Attention of random queries over a random cache, kernel vs reference.

@@ -104,7 +104,17 @@ impl LLMEngine {
         let bs = self.limits.block_size;
         let blocks = prompt.len().div_ceil(bs);
         let table: Vec<u32> = (0..blocks as u32).collect();
-        let mut cache = KvCache::new(&self.model_config, blocks, bs, model.dtype(), device)?;
+        let mut cache = KvCache::with_dtype(
+            &self.model_config,
+            blocks,
+            bs,
+            model.dtype(),
+            self.limits.kv_cache_dtype,
+            device,
+        )?;
+        if let Some(scales) = &self.limits.kv_scales {
+            cache.set_scales(scales)?;
+        }
         let meta = AttentionMetadata::prefill(vec![prompt.len()], vec![table], bs, device)?;
         let logits = model.forward(
             model.input_ids(prompt, device)?,

@@ -19,6 +19,7 @@ use cubecl::prelude::*;
 use super::super::mma_tile::{
     KvStage, attend_kv_stream, finish_row_sums, load_q_fragments, start_rows,
 };
+use super::super::kv_cache::head_scales;
 use super::{split_keys, write_merged};
 
 /// Comptime part of the launch.
@@ -64,10 +65,11 @@ impl MmaGroupConfig {
 /// See the module documentation. Caches are read in 16-byte vectors (`NV` = 8).
 #[cube(launch_unchecked, address_type = "dynamic")]
 #[allow(clippy::too_many_arguments)]
-pub fn paged_decode_mma<F: Float, NV: Size>(
+pub fn paged_decode_mma<F: Float, KV: Float, NV: Size>(
     q: &Tensor<F>,
-    k_cache: &Tensor<Vector<F, NV>>,
-    v_cache: &Tensor<Vector<F, NV>>,
+    k_cache: &Tensor<Vector<KV, NV>>,
+    v_cache: &Tensor<Vector<KV, NV>>,
+    kv_scales: &Tensor<f32>,
     block_tables: &Tensor<i32>,
     context_lens: &Tensor<i32>,
     out: &mut Tensor<F>,
@@ -77,7 +79,8 @@ pub fn paged_decode_mma<F: Float, NV: Size>(
     #[comptime] block_size: usize,
     min_keys: usize,
     #[comptime] cfg: MmaGroupConfig,
-    #[define(F)] _dtype: ElemType,
+    #[comptime] quantised: bool,
+    #[define(F, KV)] _dtypes: [ElemType; 2],
 ) {
     let def = MmaDefinition::<F, F, f32>::new(16usize, 8usize, 16usize);
     let size!(NP) = def.vector_size(MatrixIdent::A);
@@ -113,9 +116,11 @@ pub fn paged_decode_mma<F: Float, NV: Size>(
     start_rows(&mut o, &mut state, cfg.head_dim);
 
     // Per plane: its own two K and two V stages.
-    attend_kv_stream(
+    attend_kv_stream::<F, KV, NV, NP>(
         k_cache,
         v_cache,
+        head_scales(kv_scales, kvh, cfg.kv_heads, quantised),
+        quantised,
         block_tables,
         table_row,
         block_size,

@@ -259,12 +259,13 @@ pub(crate) fn paged_decode(
     launch: &super::AttentionLaunch,
     k_cache: CubeTensor,
     v_cache: CubeTensor,
+    kv_scales: CubeTensor,
     block_tables: CubeTensor,
     context_lens: CubeTensor,
     max_context: usize,
-    scale: f32,
-    order: crate::ReductionOrder,
+    plan: &super::AttentionPlan,
 ) {
+    let (scale, order, kv_dtype) = (plan.scale, plan.order, plan.kv_dtype);
     let caps = DeviceCaps::of(&launch.q.client);
     let super::AttentionLaunch {
         q,
@@ -371,6 +372,7 @@ pub(crate) fn paged_decode(
                     q.clone().into_tensor_arg(),
                     k_cache.into_tensor_arg(),
                     v_cache.into_tensor_arg(),
+                    kv_scales.into_tensor_arg(),
                     block_tables.into_tensor_arg(),
                     context_lens.clone().into_tensor_arg(),
                     out.clone().into_tensor_arg(),
@@ -380,7 +382,8 @@ pub(crate) fn paged_decode(
                     block_size,
                     min_keys,
                     $cfg,
-                    dtype_to_storage_type(dtype),
+                    kv_dtype.is_fp8(),
+                    [dtype_to_storage_type(dtype), kv_dtype.storage(dtype)],
                 )
             };
         }

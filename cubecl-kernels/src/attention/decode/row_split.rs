@@ -22,7 +22,7 @@
 use burn::tensor::DType;
 use cubecl::prelude::*;
 
-use super::super::kv_cache::cache_row;
+use super::super::kv_cache::{cache_row, dequantise, head_scales};
 use super::{split_keys, write_merged};
 use crate::device_caps::DeviceCaps;
 
@@ -57,10 +57,11 @@ impl RowSplitConfig {
 /// See the module documentation.
 #[cube(launch_unchecked, address_type = "dynamic")]
 #[allow(clippy::too_many_arguments)]
-pub fn paged_decode_row_split<F: Float, NV: Size>(
+pub fn paged_decode_row_split<F: Float, KV: Float, NV: Size>(
     q: &Tensor<F>,
-    k_cache: &Tensor<Vector<F, NV>>,
-    v_cache: &Tensor<Vector<F, NV>>,
+    k_cache: &Tensor<Vector<KV, NV>>,
+    v_cache: &Tensor<Vector<KV, NV>>,
+    kv_scales: &Tensor<f32>,
     block_tables: &Tensor<i32>,
     context_lens: &Tensor<i32>,
     out: &mut Tensor<F>,
@@ -70,9 +71,11 @@ pub fn paged_decode_row_split<F: Float, NV: Size>(
     #[comptime] block_size: usize,
     min_keys: usize,
     #[comptime] cfg: RowSplitConfig,
-    #[define(F)] _dtype: ElemType,
+    #[comptime] quantised: bool,
+    #[define(F, KV)] _dtypes: [ElemType; 2],
 ) {
     let kvh = CUBE_POS_X as usize;
+    let (ks, vs) = head_scales(kv_scales, kvh, cfg.kv_heads, quantised);
     let keys = split_keys(context_lens, min_keys, comptime!(cfg.tile * cfg.streams));
     let (seq, start, end) = (keys.seq, keys.start, keys.end);
     let tid = UNIT_POS_X as usize;
@@ -135,8 +138,8 @@ pub fn paged_decode_row_split<F: Float, NV: Size>(
             let row = cache_row(block, key % block_size, kvh, cfg.kv_heads, block_size) * dv;
             #[unroll(small)]
             for sl in 0..slots {
-                kr[t * slots + sl] = k_cache[row + x + sl * lanes];
-                vr[t * slots + sl] = v_cache[row + x + sl * lanes];
+                kr[t * slots + sl] = dequantise::<KV, F, NV>(k_cache[row + x + sl * lanes], ks, quantised);
+                vr[t * slots + sl] = dequantise::<KV, F, NV>(v_cache[row + x + sl * lanes], vs, quantised);
             }
         }
         // 2. Scores: partial dot products over this unit's slots, summed over the lanes.

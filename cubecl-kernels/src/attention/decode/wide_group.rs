@@ -16,7 +16,7 @@
 
 use cubecl::prelude::*;
 
-use super::super::kv_cache::cache_row;
+use super::super::kv_cache::{cache_row, dequantise_f32, head_scales};
 use super::{split_keys, write_piece};
 
 /// Comptime part of the launch.
@@ -121,10 +121,11 @@ fn group_reduce(
 /// See the module documentation.
 #[cube(launch_unchecked, address_type = "dynamic")]
 #[allow(clippy::too_many_arguments)]
-pub fn paged_decode_wide_group<F: Float, NV: Size>(
+pub fn paged_decode_wide_group<F: Float, KV: Float, NV: Size>(
     q: &Tensor<F>,
-    k_cache: &Tensor<Vector<F, NV>>,
-    v_cache: &Tensor<Vector<F, NV>>,
+    k_cache: &Tensor<Vector<KV, NV>>,
+    v_cache: &Tensor<Vector<KV, NV>>,
+    kv_scales: &Tensor<f32>,
     block_tables: &Tensor<i32>,
     context_lens: &Tensor<i32>,
     out: &mut Tensor<F>,
@@ -134,9 +135,11 @@ pub fn paged_decode_wide_group<F: Float, NV: Size>(
     #[comptime] block_size: usize,
     min_keys: usize,
     #[comptime] cfg: WideGroupConfig,
-    #[define(F)] _dtype: ElemType,
+    #[comptime] quantised: bool,
+    #[define(F, KV)] _dtypes: [ElemType; 2],
 ) {
     let kvh = CUBE_POS_X as usize;
+    let (ks, vs) = head_scales(kv_scales, kvh, cfg.kv_heads, quantised);
     let keys = split_keys(context_lens, min_keys, cfg.cube_dim);
     let (seq, split, splits) = (keys.seq, keys.split, keys.splits);
     let (start, end) = (keys.start, keys.end);
@@ -206,7 +209,7 @@ pub fn paged_decode_wide_group<F: Float, NV: Size>(
             }
             #[unroll]
             for j in 0..dv {
-                let kv = Vector::<f32, NV>::cast_from(k_cache[base + j]);
+                let kv = dequantise_f32(k_cache[base + j], ks, quantised);
                 #[unroll]
                 for e in 0..nv {
                     let kval = kv.extract(e);
@@ -262,7 +265,7 @@ pub fn paged_decode_wide_group<F: Float, NV: Size>(
                 let vbase = base_s[kk] as usize;
                 #[unroll]
                 for sl in 0..slots {
-                    let vv = Vector::<f32, NV>::cast_from(v_cache[vbase + lane + sl * lanes]);
+                    let vv = dequantise_f32(v_cache[vbase + lane + sl * lanes], vs, quantised);
                     #[unroll]
                     for g in 0..group {
                         acc[g * slots + sl] += vv * Vector::new(p_s[g * cfg.cube_dim + kk]);

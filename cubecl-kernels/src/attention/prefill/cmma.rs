@@ -14,7 +14,7 @@
 
 use cubecl::prelude::*;
 
-use super::super::kv_cache::cache_row;
+use super::super::kv_cache::{cache_row, dequantise, head_scales};
 use super::tile_and_group;
 
 /// Comptime part of the tensor-core launch.
@@ -51,10 +51,11 @@ impl CmmaPrefillConfig {
 /// written in vectors of `NV` elements (16 bytes).
 #[cube(launch_unchecked, address_type = "dynamic")]
 #[allow(clippy::too_many_arguments)]
-pub fn paged_prefill_cmma<F: Float, NV: Size>(
+pub fn paged_prefill_cmma<F: Float, KV: Float, NV: Size>(
     q: &Tensor<Vector<F, NV>>,
-    k_cache: &Tensor<Vector<F, NV>>,
-    v_cache: &Tensor<Vector<F, NV>>,
+    k_cache: &Tensor<Vector<KV, NV>>,
+    v_cache: &Tensor<Vector<KV, NV>>,
+    kv_scales: &Tensor<f32>,
     block_tables: &Tensor<i32>,
     context_lens: &Tensor<i32>,
     cu_seqlens_q: &Tensor<i32>,
@@ -63,7 +64,8 @@ pub fn paged_prefill_cmma<F: Float, NV: Size>(
     scale: f32,
     #[comptime] block_size: usize,
     #[comptime] cfg: CmmaPrefillConfig,
-    #[define(F)] _dtype: ElemType,
+    #[comptime] quantised: bool,
+    #[define(F, KV)] _dtypes: [ElemType; 2],
 ) {
     let (tile, h) = tile_and_group(cfg.heads);
     let tid = UNIT_POS_X as usize;
@@ -77,6 +79,7 @@ pub fn paged_prefill_cmma<F: Float, NV: Size>(
     let dv = comptime!(cfg.head_dim / nv);
     let dfrags = comptime!(cfg.head_dim / 16);
     let kvh = h / comptime!(cfg.heads / cfg.kv_heads);
+    let (ks, vs) = head_scales(kv_scales, kvh, cfg.kv_heads, quantised);
     // A padding tile of a captured step (sequence −1): nothing to read or write.
     if tiles[tile * 2] < 0 {
         terminate!();
@@ -161,8 +164,8 @@ pub fn paged_prefill_cmma<F: Float, NV: Size>(
             if key < last_key {
                 let block = block_tables[table_row + key / block_size] as usize;
                 let at = cache_row(block, key % block_size, kvh, cfg.kv_heads, block_size) * dv + c;
-                kv = k_cache[at];
-                vv = v_cache[at];
+                kv = dequantise::<KV, F, NV>(k_cache[at], ks, quantised);
+                vv = dequantise::<KV, F, NV>(v_cache[at], vs, quantised);
             }
             #[unroll]
             for e in 0..nv {

@@ -9,7 +9,7 @@
 
 use cubecl::prelude::*;
 
-use super::super::kv_cache::cache_row;
+use super::super::kv_cache::{cache_row, head_scales};
 use super::tile_and_group;
 
 /// Comptime part of the launch.
@@ -25,10 +25,11 @@ pub struct PrefillConfig {
 /// See the module documentation.
 #[cube(launch_unchecked, address_type = "dynamic")]
 #[allow(clippy::too_many_arguments)]
-pub fn paged_prefill_fma<F: Float>(
+pub fn paged_prefill_fma<F: Float, KV: Float>(
     q: &Tensor<F>,
-    k_cache: &Tensor<F>,
-    v_cache: &Tensor<F>,
+    k_cache: &Tensor<KV>,
+    v_cache: &Tensor<KV>,
+    kv_scales: &Tensor<f32>,
     block_tables: &Tensor<i32>,
     context_lens: &Tensor<i32>,
     cu_seqlens_q: &Tensor<i32>,
@@ -37,7 +38,8 @@ pub fn paged_prefill_fma<F: Float>(
     scale: f32,
     #[comptime] block_size: usize,
     #[comptime] cfg: PrefillConfig,
-    #[define(F)] _dtype: ElemType,
+    #[comptime] quantised: bool,
+    #[define(F, KV)] _dtypes: [ElemType; 2],
 ) {
     let (tile, h) = tile_and_group(cfg.heads);
     let u = UNIT_POS_X as usize;
@@ -46,6 +48,7 @@ pub fn paged_prefill_fma<F: Float>(
     let qpad = comptime!(cfg.head_dim + 1);
     let spad = comptime!(cfg.block_k + 1);
     let kvh = h / comptime!(cfg.heads / cfg.kv_heads);
+    let (ks, vs) = head_scales(kv_scales, kvh, cfg.kv_heads, quantised);
     // A padding tile of a captured step (sequence −1): nothing to read or write.
     if tiles[tile * 2] < 0 {
         terminate!();
@@ -102,6 +105,10 @@ pub fn paged_prefill_fma<F: Float>(
                 let at = cache_row(block, key % block_size, kvh, cfg.kv_heads, block_size) * d + j;
                 kv = f32::cast_from(k_cache[at]);
                 vv = f32::cast_from(v_cache[at]);
+                if comptime!(quantised) {
+                    kv *= ks;
+                    vv *= vs;
+                }
             }
             k_s[e] = kv;
             v_s[e] = vv;

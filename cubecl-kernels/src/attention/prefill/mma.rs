@@ -23,6 +23,7 @@ use cubecl::prelude::*;
 use super::super::mma_tile::{
     KvStage, attend_kv_stream, finish_row_sums, load_q_fragments, start_rows,
 };
+use super::super::kv_cache::head_scales;
 use super::tile_and_group;
 
 /// Comptime part of the launch.
@@ -94,10 +95,11 @@ impl MmaPrefillConfig {
 /// See the module documentation. `k_cache`, `v_cache` are read in vectors of `NV` elements.
 #[cube(launch_unchecked, address_type = "dynamic")]
 #[allow(clippy::too_many_arguments)]
-pub fn paged_prefill_mma<F: Float, NV: Size>(
+pub fn paged_prefill_mma<F: Float, KV: Float, NV: Size>(
     q: &Tensor<F>,
-    k_cache: &Tensor<Vector<F, NV>>,
-    v_cache: &Tensor<Vector<F, NV>>,
+    k_cache: &Tensor<Vector<KV, NV>>,
+    v_cache: &Tensor<Vector<KV, NV>>,
+    kv_scales: &Tensor<f32>,
     block_tables: &Tensor<i32>,
     context_lens: &Tensor<i32>,
     cu_seqlens_q: &Tensor<i32>,
@@ -106,7 +108,8 @@ pub fn paged_prefill_mma<F: Float, NV: Size>(
     scale: f32,
     #[comptime] block_size: usize,
     #[comptime] cfg: MmaPrefillConfig,
-    #[define(F)] _dtype: ElemType,
+    #[comptime] quantised: bool,
+    #[define(F, KV)] _dtypes: [ElemType; 2],
 ) {
     let def = MmaDefinition::<F, F, f32>::new(16usize, 8usize, 16usize);
     let size!(NP) = def.vector_size(MatrixIdent::A);
@@ -158,9 +161,11 @@ pub fn paged_prefill_mma<F: Float, NV: Size>(
     start_rows(&mut o, &mut state, cfg.head_dim);
 
     // Two K and two V stages: stage `i + 1` is fetched while stage `i` is computed on.
-    attend_kv_stream(
+    attend_kv_stream::<F, KV, NV, NP>(
         k_cache,
         v_cache,
+        head_scales(kv_scales, kvh, cfg.kv_heads, quantised),
+        quantised,
         block_tables,
         table_row,
         block_size,

@@ -229,14 +229,15 @@ pub(crate) fn paged_prefill(
     launch: &super::AttentionLaunch,
     k_cache: CubeTensor,
     v_cache: CubeTensor,
+    kv_scales: CubeTensor,
     block_tables: CubeTensor,
     context_lens: CubeTensor,
     cu_seqlens_q: CubeTensor,
     tiles: CubeTensor,
     block_q: usize,
-    scale: f32,
-    order: ReductionOrder,
+    plan: &super::AttentionPlan,
 ) {
+    let (scale, order, kv_dtype) = (plan.scale, plan.order, plan.kv_dtype);
     let super::AttentionLaunch {
         q,
         out,
@@ -290,6 +291,7 @@ pub(crate) fn paged_prefill(
                 q.clone().into_tensor_arg(),
                 k_cache.into_tensor_arg(),
                 v_cache.into_tensor_arg(),
+                kv_scales.into_tensor_arg(),
                 block_tables.into_tensor_arg(),
                 context_lens.into_tensor_arg(),
                 cu_seqlens_q.into_tensor_arg(),
@@ -298,7 +300,8 @@ pub(crate) fn paged_prefill(
                 scale,
                 block_size,
                 $cfg,
-                dtype_to_storage_type(dtype),
+                kv_dtype.is_fp8(),
+                [dtype_to_storage_type(dtype), kv_dtype.storage(dtype)],
             )
         };
     }
