@@ -100,6 +100,12 @@ pub(crate) struct Cli {
     /// rows.
     #[arg(long)]
     pub(crate) vocab_parallel: bool,
+    /// kv-accuracy: the text to score (a file the model did not train on).
+    #[arg(long)]
+    pub(crate) text: Option<PathBuf>,
+    /// kv-accuracy: most positions to score.
+    #[arg(long, default_value_t = 10_000)]
+    pub(crate) positions: usize,
     /// Engine suites: batch-invariant inference (one reduction order per row).
     #[arg(long)]
     pub(crate) batch_invariant: bool,
@@ -199,6 +205,10 @@ pub(crate) enum Suite {
     /// exactness and device time per call of messages up to 16 MB (`--dtypes`, default bf16),
     /// the IPC kernels where they apply (`BURN_NANOVLLM_ALL_REDUCE=nccl`: NCCL only). CUDA only.
     AllReduce,
+    /// FP8 KV caches' accuracy on a real checkpoint (`--model`) against its own dtype:
+    /// perplexity of `--text FILE` in 1,024-token windows (`--positions` predicted tokens at
+    /// most), top-1 agreement at every position, greedy continuations.
+    KvAccuracy,
     All,
 }
 

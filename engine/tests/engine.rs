@@ -8,6 +8,7 @@ mod engine {
     pub mod common;
     mod cpu_targets;
     mod default_model;
+    mod fp8_kv_cache;
     pub mod generation;
     mod overlap;
     mod sampler;

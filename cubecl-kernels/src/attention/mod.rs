@@ -306,7 +306,8 @@ pub fn paged_attention_ordered(
     };
     // Absent parts get placeholders (never read).
     let placeholder = || meta.tensors.slot_mapping.clone().into_dispatch();
-    let scales = kv_scales_arg(cache, placeholder);
+    // A float placeholder (the op takes the scales as a float tensor).
+    let scales = kv_scales_arg(cache, || q.clone().into_dispatch());
     let (decode_tables, decode_context) = match decode {
         Some(part) => (
             part.block_tables.clone().into_dispatch(),
