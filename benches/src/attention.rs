@@ -1,8 +1,10 @@
-//! Paged decode and prefill attention at Qwen head shapes, bf16.
+//! Paged decode and prefill attention at Qwen head shapes, bf16, over a cache in the model's
+//! dtype or FP8 (`--kv-cache-dtype`: a zeroed cache, whose reads time as any other; the
+//! kernels' FP8 results are checked by the kernel tests).
 
 use burn::tensor::{DType, Device, Distribution, Tensor};
 use cubecl_kernels::attention::reference;
-use cubecl_kernels::{AttentionMetadata, LayerKvCache};
+use cubecl_kernels::{AttentionMetadata, KvCacheDtype, LayerKvCache};
 use model_qwen2::Qwen2Config;
 use rand::seq::SliceRandom;
 use serde_json::json;
@@ -20,7 +22,13 @@ struct Setup {
 }
 
 /// `seqs` of (new tokens, context) with shuffled blocks and random keys/values/queries.
-fn setup(c: &Qwen2Config, seqs: &[(usize, usize)], device: &Device, dtype: DType) -> Setup {
+fn setup(
+    c: &Qwen2Config,
+    seqs: &[(usize, usize)],
+    device: &Device,
+    dtype: DType,
+    kv: KvCacheDtype,
+) -> Setup {
     let blocks: usize = seqs.iter().map(|s| s.1.div_ceil(BLOCK_SIZE)).sum();
     let mut ids: Vec<u32> = (0..blocks as u32).collect();
     ids.shuffle(&mut rand::rng());
@@ -37,10 +45,15 @@ fn setup(c: &Qwen2Config, seqs: &[(usize, usize)], device: &Device, dtype: DType
     )
     .expect("metadata");
     let shape = [blocks, c.num_key_value_heads, BLOCK_SIZE, c.head_dim];
-    let cache = LayerKvCache::new(
-        Tensor::random(shape, Distribution::Normal(0.0, 1.0), (device, dtype)),
-        Tensor::random(shape, Distribution::Normal(0.0, 1.0), (device, dtype)),
-    );
+    let cache = if kv.is_fp8() {
+        LayerKvCache::zeros(blocks, BLOCK_SIZE, c.num_key_value_heads, c.head_dim, dtype, kv, device)
+            .expect("FP8 cache")
+    } else {
+        LayerKvCache::new(
+            Tensor::random(shape, Distribution::Normal(0.0, 1.0), (device, dtype)),
+            Tensor::random(shape, Distribution::Normal(0.0, 1.0), (device, dtype)),
+        )
+    };
     let t: usize = seqs.iter().map(|s| s.0).sum();
     let q = Tensor::random(
         [t, c.num_attention_heads, c.head_dim],
@@ -58,9 +71,10 @@ pub fn decode(
     contexts: &[usize],
     device: &Device,
     dtype: DType,
+    kv: KvCacheDtype,
 ) -> Report {
     let mut report = Report::new(
-        &format!("decode attention {model} {dtype:?}"),
+        &format!("decode attention {model} {dtype:?} kv {}", kv.name()),
         &[
             "model", "batch", "context", "heads", "kv_heads", "head_dim", "ours_us", "kv_GBps",
             "rel_err",
@@ -69,10 +83,10 @@ pub fn decode(
     let scale = 1.0 / (c.head_dim as f32).sqrt();
     for &b in batches {
         for &ctx in contexts {
-            let s = setup(c, &vec![(1, ctx); b], device, dtype);
+            let s = setup(c, &vec![(1, ctx); b], device, dtype, kv);
             let ours = || cubecl_kernels::paged_attention(s.q.clone(), &s.cache, &s.meta, scale);
             // The reference gathers per sequence: check the smaller configurations only.
-            let err = if b * ctx <= 16 * 4096 {
+            let err = if b * ctx <= 16 * 4096 && !kv.is_fp8() {
                 rel_err(
                     ours(),
                     reference::paged_attention(s.q.clone(), &s.cache, &s.meta, scale),
@@ -81,7 +95,7 @@ pub fn decode(
                 f64::NAN
             };
             let t = graph_us(device, 10, 10, ours);
-            let bytes = 2 * b * ctx * c.kv_size() * dtype.size();
+            let bytes = 2 * b * ctx * c.kv_size() * kv.element_bytes(dtype);
             report.row(vec![
                 json!(model),
                 json!(b),
@@ -105,9 +119,10 @@ pub fn prefill(
     shapes: &[(usize, usize)],
     device: &Device,
     dtype: DType,
+    kv: KvCacheDtype,
 ) -> Report {
     let mut report = Report::new(
-        &format!("prefill attention {model} {dtype:?}"),
+        &format!("prefill attention {model} {dtype:?} kv {}", kv.name()),
         &[
             "model", "batch", "len", "heads", "kv_heads", "head_dim", "ours_us", "TFLOPs",
             "rel_err",
@@ -115,9 +130,9 @@ pub fn prefill(
     );
     let scale = 1.0 / (c.head_dim as f32).sqrt();
     for &(b, len) in shapes {
-        let s = setup(c, &vec![(len, len); b], device, dtype);
+        let s = setup(c, &vec![(len, len); b], device, dtype, kv);
         let ours = || cubecl_kernels::paged_attention(s.q.clone(), &s.cache, &s.meta, scale);
-        let err = if b * len <= 4096 {
+        let err = if b * len <= 4096 && !kv.is_fp8() {
             rel_err(
                 ours(),
                 reference::paged_attention(s.q.clone(), &s.cache, &s.meta, scale),

@@ -129,7 +129,9 @@ fn main() -> Result<()> {
             (&[1, 16, 64, 256], &[128, 1024, 4096, 16384])
         };
         for model in &cli.models {
-            tables.push(attention::decode(model, &config(model)?, bs, ctx, &device, dtype).json());
+            let c = config(model)?;
+            let kv = cli.kv_cache_dtype;
+            tables.push(attention::decode(model, &c, bs, ctx, &device, dtype, kv).json());
         }
     }
     if want(Suite::Prefill) {
@@ -139,7 +141,9 @@ fn main() -> Result<()> {
             &[(1, 4096), (16, 1024), (256, 512)]
         };
         for model in &cli.models {
-            tables.push(attention::prefill(model, &config(model)?, shapes, &device, dtype).json());
+            let c = config(model)?;
+            let kv = cli.kv_cache_dtype;
+            tables.push(attention::prefill(model, &c, shapes, &device, dtype, kv).json());
         }
     }
     if want(Suite::Step) {

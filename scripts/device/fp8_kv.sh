@@ -1,0 +1,57 @@
+#!/usr/bin/env bash
+# On the GPU machine (device tool, nvidia-h100-x1): FP8 KV caches on CUDA.
+#   fp8_kv.sh kernels   (dist-kk/kernels.xz: `cargo test --workspace --test kernels --no-run`,
+#       stripped): the FP8 KV write against the host's rounding and FP8 attention against the
+#       dequantised reference (decode and prefill, the tensor-core tiles), then the attention and
+#       KV-write tests, with KERNEL_TEST_DEVICE=cuda.
+#   fp8_kv.sh engine   (dist-e/engine.xz, models/tiny-english): the engine's FP8 tests
+#       (prompt scores against the bf16 cache, generation through chunking, prefix hits and
+#       preemption) and the default model's, with ENGINE_TEST_DEVICE=cuda.
+#   fp8_kv.sh accuracy TEXT   (dist-b/benches.xz, models/tiny-english): perplexity of TEXT (a
+#       file the model did not train on), top-1 agreement with the bf16 cache over up to 10,000
+#       positions, greedy continuations: bf16, fp8_e4m3, fp8_e5m2.
+#   fp8_kv.sh attention   (dist-b/benches.xz): the decode and prefill attention suites over a
+#       bf16 and an FP8 cache, both head shapes.
+#   fp8_kv.sh bench MODEL...   (dist-b/benches.xz): bench.py on random weights of each model's
+#       config with the bf16 cache, then FP8 (E4M3), back to back.
+# Logs go to $OUT.
+set -uo pipefail
+source "$(dirname "$0")/unpack.sh"
+nvidia-smi --query-gpu=name,memory.total --format=csv,noheader
+mode=${1:-kernels}
+shift || true
+case "$mode" in
+  kernels)
+    KERNEL_TEST_DEVICE=cuda timeout 400 /tmp/bin/kernels fp8 attention store_kv batch_invariance \
+      --test-threads 1 2>&1 | tee "$OUT/kernels-cuda.log" | grep -E "^test |test result|panicked" | cut -c1-300
+    ;;
+  engine)
+    ENGINE_TEST_DEVICE=cuda timeout 500 /tmp/bin/engine fp8_kv_cache default_model --test-threads 1 \
+      --nocapture 2>&1 | tee "$OUT/engine-cuda.log" \
+      | grep -E "^test |test result|panicked|NLL|left|right" | cut -c1-300
+    ;;
+  accuracy)
+    timeout 500 /tmp/bin/benches kv-accuracy --device cuda --model models/tiny-english --text "$1" \
+      --positions 10000 --out "$OUT/accuracy.json" > "$OUT/accuracy.log" 2>&1
+    echo "exit $?"; grep -v "^graph\|^warm" "$OUT/accuracy.log" | tail -n 16 | cut -c1-400
+    ;;
+  attention)
+    for kv in auto fp8; do
+      timeout 240 /tmp/bin/benches decode prefill --device cuda --kv-cache-dtype "$kv" \
+        --out "$OUT/attention-$kv.json" > "$OUT/attention-$kv.log" 2>&1
+      echo "== $kv exit $?"; grep -E "^qwen" "$OUT/attention-$kv.log" | cut -d, -f1-3,7-8
+    done
+    ;;
+  bench)
+    for model in "$@"; do
+      for kv in auto fp8; do
+        name="nano-$model-$kv${TAG:+-$TAG}"
+        echo "== $name"
+        timeout 300 /tmp/bin/benches nano --device cuda --dummy "$model" --kv-cache-dtype "$kv" \
+          --out "$OUT/$name.json" > "$OUT/$name.log" 2>&1
+        echo "exit $?"; head -n 1 "$OUT/$name.log" | cut -c1-200
+        grep -E "^$model" "$OUT/$name.log" | tail -n 1 | cut -d, -f1-8,12,14-15,24
+      done
+    done
+    ;;
+esac
