@@ -324,18 +324,3 @@ pub(crate) fn dequantise<KV: Float, F: Float, NV: Size>(
         Vector::<F, NV>::cast_from(x)
     }
 }
-
-/// A cache vector as f32: `x · scale` when `quantised`, else `x`.
-#[cube]
-pub(crate) fn dequantise_f32<KV: Float, NV: Size>(
-    x: Vector<KV, NV>,
-    scale: f32,
-    #[comptime] quantised: bool,
-) -> Vector<f32, NV> {
-    let y = Vector::<f32, NV>::cast_from(x);
-    if comptime!(quantised) {
-        y * Vector::new(scale)
-    } else {
-        y
-    }
-}

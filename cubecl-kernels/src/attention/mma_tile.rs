@@ -26,7 +26,7 @@
 use cubecl::cmma::{MatrixIdent, MmaDefinition};
 use cubecl::prelude::*;
 
-use super::kv_cache::{cache_row, dequantise};
+use super::kv_cache::cache_row;
 
 /// Shape of a K/V stage and of the units that fill it.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
@@ -99,9 +99,9 @@ pub fn fetch_kv<KV: Float, NV: Size>(
 }
 
 /// Stores what [`fetch_kv`] loaded into the stage at `offset` (in vectors) of `k_s` / `v_s`,
-/// as `F` (dequantised by `scales` = (key, value) when `quantised`).
+/// as `F` (an FP8 cache's values unscaled: the callers fold the scales into the scores' scale
+/// and the output).
 #[cube]
-#[allow(clippy::too_many_arguments)]
 pub fn put_kv<F: Float, KV: Float, NV: Size>(
     k_s: &mut Shared<[Vector<F, NV>]>,
     v_s: &mut Shared<[Vector<F, NV>]>,
@@ -109,22 +109,19 @@ pub fn put_kv<F: Float, KV: Float, NV: Size>(
     unit: usize,
     kr: &Array<Vector<KV, NV>>,
     vr: &Array<Vector<KV, NV>>,
-    scales: (f32, f32),
-    #[comptime] quantised: bool,
     #[comptime] st: KvStage,
 ) {
     let dv = comptime!(st.head_dim / 8);
     let total = comptime!(st.keys * st.head_dim / 8);
     // Every slot holds a vector of the stage: no bound to check.
     let exact = comptime!(total.is_multiple_of(st.units));
-    let (ks, vs) = scales;
     #[unroll]
     for i in 0..comptime!(st.per_unit()) {
         let idx = i * comptime!(st.units) + unit;
         if exact || idx < total {
             let at = offset + (idx / dv) * (dv + 1) + idx % dv;
-            k_s[at] = dequantise::<KV, F, NV>(kr[i], ks, quantised);
-            v_s[at] = dequantise::<KV, F, NV>(vr[i], vs, quantised);
+            k_s[at] = Vector::<F, NV>::cast_from(kr[i]);
+            v_s[at] = Vector::<F, NV>::cast_from(vr[i]);
         }
     }
 }
@@ -134,16 +131,14 @@ pub fn put_kv<F: Float, KV: Float, NV: Size>(
 /// `qa`, while unit `unit`'s share of the next stage is in flight in registers ([`fetch_kv`])
 /// and stored after the compute ([`put_kv`]) into the other half of this stream's two stages at
 /// vector `own` of the shared K/V slices (`shared_len` vectors each, allocated here for the
-/// cube). An FP8 cache (`quantised`, `KV`) is dequantised by `scales` = (key, value) as the
-/// stage is stored. `plane_stream`: the stream belongs to one plane (its barriers are plane barriers;
+/// cube). An FP8 cache (`KV`) is stored in the stages as its unscaled values: the caller passes
+/// the key scale inside `scale` and multiplies the output by the value scale. `plane_stream`: the stream belongs to one plane (its barriers are plane barriers;
 /// decode, one stream per plane), else to the cube (prefill).
 #[cube]
 #[allow(clippy::too_many_arguments)]
 pub fn attend_kv_stream<F: Float, KV: Float, NV: Size, NP: Size>(
     k_cache: &Tensor<Vector<KV, NV>>,
     v_cache: &Tensor<Vector<KV, NV>>,
-    scales: (f32, f32),
-    #[comptime] quantised: bool,
     block_tables: &Tensor<i32>,
     table_row: usize,
     #[comptime] block_size: usize,
@@ -182,9 +177,7 @@ pub fn attend_kv_stream<F: Float, KV: Float, NV: Size, NP: Size>(
         &mut vr,
         st,
     );
-    put_kv::<F, KV, NV>(
-        &mut k_s, &mut v_s, own, unit, &kr, &vr, scales, quantised, st,
-    );
+    put_kv::<F, KV, NV>(&mut k_s, &mut v_s, own, unit, &kr, &vr, st);
     stream_barrier(plane_stream);
     let mut k0 = first;
     let mut buf = 0usize;
@@ -230,8 +223,6 @@ pub fn attend_kv_stream<F: Float, KV: Float, NV: Size, NP: Size>(
                 unit,
                 &kr,
                 &vr,
-                scales,
-                quantised,
                 st,
             );
         }

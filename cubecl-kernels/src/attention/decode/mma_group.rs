@@ -85,6 +85,8 @@ pub fn paged_decode_mma<F: Float, KV: Float, NV: Size>(
     let def = MmaDefinition::<F, F, f32>::new(16usize, 8usize, 16usize);
     let size!(NP) = def.vector_size(MatrixIdent::A);
     let kvh = CUBE_POS_X as usize;
+    // An FP8 cache's key scale rides in the scores' scale, its value scale in the output.
+    let (ks, vs) = head_scales(kv_scales, kvh, cfg.kv_heads, quantised);
     let keys = split_keys(context_lens, min_keys, comptime!(cfg.step()));
     let (seq, start, end) = (keys.seq, keys.start, keys.end);
     let plane = PLANE_POS as usize;
@@ -119,8 +121,6 @@ pub fn paged_decode_mma<F: Float, KV: Float, NV: Size>(
     attend_kv_stream::<F, KV, NV, NP>(
         k_cache,
         v_cache,
-        head_scales(kv_scales, kvh, cfg.kv_heads, quantised),
-        quantised,
         block_tables,
         table_row,
         block_size,
@@ -134,7 +134,7 @@ pub fn paged_decode_mma<F: Float, KV: Float, NV: Size>(
         lane,
         limit_a,
         limit_b,
-        scale,
+        scale * ks,
         st,
         comptime!(cfg.step()),
         comptime!(2 * cfg.planes * st.len()),
@@ -153,10 +153,10 @@ pub fn paged_decode_mma<F: Float, KV: Float, NV: Size>(
         for e in 0..2usize {
             let col = j * 8 + 2 * t + e;
             if valid_a {
-                acc_s[(plane * group + g) * d + col] = o[2 * j].extract(e);
+                acc_s[(plane * group + g) * d + col] = o[2 * j].extract(e) * vs;
             }
             if valid_b {
-                acc_s[(plane * group + g + 8) * d + col] = o[2 * j + 1].extract(e);
+                acc_s[(plane * group + g + 8) * d + col] = o[2 * j + 1].extract(e) * vs;
             }
         }
     }

@@ -22,7 +22,7 @@
 use burn::tensor::DType;
 use cubecl::prelude::*;
 
-use super::super::kv_cache::{cache_row, dequantise, head_scales};
+use super::super::kv_cache::{cache_row, head_scales};
 use super::{split_keys, write_merged};
 use crate::device_caps::DeviceCaps;
 
@@ -75,7 +75,9 @@ pub fn paged_decode_row_split<F: Float, KV: Float, NV: Size>(
     #[define(F, KV)] _dtypes: [ElemType; 2],
 ) {
     let kvh = CUBE_POS_X as usize;
+    // An FP8 cache's key scale rides in the query's, its value scale in the output.
     let (ks, vs) = head_scales(kv_scales, kvh, cfg.kv_heads, quantised);
+    let q_scale = scale * ks;
     let keys = split_keys(context_lens, min_keys, comptime!(cfg.tile * cfg.streams));
     let (seq, start, end) = (keys.seq, keys.start, keys.end);
     let tid = UNIT_POS_X as usize;
@@ -108,7 +110,7 @@ pub fn paged_decode_row_split<F: Float, KV: Float, NV: Size>(
             let at = seq * q.stride(0) + (head0 + hh) * q.stride(1) + (x + sl * lanes) * nv;
             #[unroll]
             for e in 0..nv {
-                v.insert(e, f32::cast_from(q[at + e]) * scale);
+                v.insert(e, f32::cast_from(q[at + e]) * q_scale);
             }
             qr[hh * slots + sl] = v;
             acc[hh * slots + sl] = Vector::new(0.0);
@@ -116,8 +118,8 @@ pub fn paged_decode_row_split<F: Float, KV: Float, NV: Size>(
     }
 
     let table_row = seq * block_tables.stride(0);
-    let mut kr = Array::<Vector<F, NV>>::new(comptime!(cfg.tile * slots));
-    let mut vr = Array::<Vector<F, NV>>::new(comptime!(cfg.tile * slots));
+    let mut kr = Array::<Vector<KV, NV>>::new(comptime!(cfg.tile * slots));
+    let mut vr = Array::<Vector<KV, NV>>::new(comptime!(cfg.tile * slots));
     let mut s = Array::<f32>::new(comptime!(cfg.heads_per_unit * cfg.tile));
     // Every unit runs the same number of iterations (shuffles need the whole plane);
     // keys past `end` are clamped to a valid one for the loads and masked in the softmax.
@@ -138,8 +140,8 @@ pub fn paged_decode_row_split<F: Float, KV: Float, NV: Size>(
             let row = cache_row(block, key % block_size, kvh, cfg.kv_heads, block_size) * dv;
             #[unroll(small)]
             for sl in 0..slots {
-                kr[t * slots + sl] = dequantise::<KV, F, NV>(k_cache[row + x + sl * lanes], ks, quantised);
-                vr[t * slots + sl] = dequantise::<KV, F, NV>(v_cache[row + x + sl * lanes], vs, quantised);
+                kr[t * slots + sl] = k_cache[row + x + sl * lanes];
+                vr[t * slots + sl] = v_cache[row + x + sl * lanes];
             }
         }
         // 2. Scores: partial dot products over this unit's slots, summed over the lanes.
@@ -223,7 +225,7 @@ pub fn paged_decode_row_split<F: Float, KV: Float, NV: Size>(
         let g = y * hpu + hh;
         #[unroll(small)]
         for sl in 0..slots {
-            let a = acc[hh * slots + sl];
+            let a = acc[hh * slots + sl] * Vector::new(vs);
             #[unroll]
             for e in 0..nv {
                 acc_s[(z * cfg.group + g) * d + (x + sl * lanes) * nv + e] = a.extract(e);

@@ -16,7 +16,7 @@
 
 use cubecl::prelude::*;
 
-use super::super::kv_cache::{cache_row, dequantise_f32, head_scales};
+use super::super::kv_cache::{cache_row, head_scales};
 use super::{split_keys, write_piece};
 
 /// Comptime part of the launch.
@@ -139,7 +139,9 @@ pub fn paged_decode_wide_group<F: Float, KV: Float, NV: Size>(
     #[define(F, KV)] _dtypes: [ElemType; 2],
 ) {
     let kvh = CUBE_POS_X as usize;
+    // An FP8 cache's key scale rides in the scores' scale, its value scale in the output.
     let (ks, vs) = head_scales(kv_scales, kvh, cfg.kv_heads, quantised);
+    let score_scale = scale * ks;
     let keys = split_keys(context_lens, min_keys, cfg.cube_dim);
     let (seq, split, splits) = (keys.seq, keys.split, keys.splits);
     let (start, end) = (keys.start, keys.end);
@@ -209,7 +211,7 @@ pub fn paged_decode_wide_group<F: Float, KV: Float, NV: Size>(
             }
             #[unroll]
             for j in 0..dv {
-                let kv = dequantise_f32(k_cache[base + j], ks, quantised);
+                let kv = Vector::<f32, NV>::cast_from(k_cache[base + j]);
                 #[unroll]
                 for e in 0..nv {
                     let kval = kv.extract(e);
@@ -221,7 +223,7 @@ pub fn paged_decode_wide_group<F: Float, KV: Float, NV: Size>(
             }
             #[unroll]
             for g in 0..group {
-                s[g] = dots[g] * scale;
+                s[g] = dots[g] * score_scale;
             }
         }
         // 2. Online softmax: new running max (a cube reduction), this key's probability.
@@ -265,7 +267,7 @@ pub fn paged_decode_wide_group<F: Float, KV: Float, NV: Size>(
                 let vbase = base_s[kk] as usize;
                 #[unroll]
                 for sl in 0..slots {
-                    let vv = dequantise_f32(v_cache[vbase + lane + sl * lanes], vs, quantised);
+                    let vv = Vector::<f32, NV>::cast_from(v_cache[vbase + lane + sl * lanes]);
                     #[unroll]
                     for g in 0..group {
                         acc[g * slots + sl] += vv * Vector::new(p_s[g * cfg.cube_dim + kk]);
@@ -312,6 +314,7 @@ pub fn paged_decode_wide_group<F: Float, KV: Float, NV: Size>(
         for kg in 0..kgroups {
             a += red[(kg * group + g) * d + j];
         }
+        a *= vs;
         write_piece(
             out,
             part_acc,

@@ -123,6 +123,8 @@ pub fn paged_prefill_mma<F: Float, KV: Float, NV: Size>(
     let g = UNIT_POS_PLANE as usize / 4;
     let t = UNIT_POS_PLANE as usize % 4;
     let st = comptime!(cfg.stage());
+    // An FP8 cache's key scale rides in the scores' scale, its value scale in the output.
+    let (ks, vs) = head_scales(kv_scales, kvh, cfg.kv_heads, quantised);
     // A padding tile of a captured step (sequence −1): nothing to read or write.
     if tiles[tile * 2] < 0 {
         terminate!();
@@ -164,8 +166,6 @@ pub fn paged_prefill_mma<F: Float, KV: Float, NV: Size>(
     attend_kv_stream::<F, KV, NV, NP>(
         k_cache,
         v_cache,
-        head_scales(kv_scales, kvh, cfg.kv_heads, quantised),
-        quantised,
         block_tables,
         table_row,
         block_size,
@@ -179,7 +179,7 @@ pub fn paged_prefill_mma<F: Float, KV: Float, NV: Size>(
         unit,
         limit_a,
         limit_b,
-        scale,
+        scale * ks,
         st,
         cfg.block_k,
         comptime!(2 * st.len()),
@@ -196,10 +196,10 @@ pub fn paged_prefill_mma<F: Float, KV: Float, NV: Size>(
         for e in 0..2usize {
             let col = j * 8 + 2 * t + e;
             if valid_a {
-                out[out_a + col] = F::cast_from(o[2 * j].extract(e) / state[2]);
+                out[out_a + col] = F::cast_from(o[2 * j].extract(e) * vs / state[2]);
             }
             if valid_b {
-                out[out_b + col] = F::cast_from(o[2 * j + 1].extract(e) / state[3]);
+                out[out_b + col] = F::cast_from(o[2 * j + 1].extract(e) * vs / state[3]);
             }
         }
     }
