@@ -94,6 +94,16 @@ impl KvCacheDtype {
         }
     }
 
+    /// Where an FP8 code's exponent and mantissa land in an f32's bits (shifted left by this),
+    /// and the factor that then corrects the exponent bias (2^(127 − bias)): see
+    /// [`load_f32`].
+    fn f32_placement(self) -> (u32, f32) {
+        match self {
+            Self::Fp8E5M2 => (21, 2f32.powi(112)),
+            _ => (20, 2f32.powi(120)),
+        }
+    }
+
     /// The CubeCL element the kernels read and write for a model of `dtype`.
     pub(crate) fn storage(self, dtype: DType) -> ElemType {
         match self {
@@ -293,33 +303,54 @@ pub(crate) fn cache_row(
 }
 
 /// A cube's kv head scales `(key, value)` from `scales [2 · kv_heads]` (see [`KvQuant`]); 1 when
-/// the cache is not `quantised` (then `scales` is a placeholder and is not read).
+/// the cache is not FP8 (then `scales` is a placeholder and is not read).
 #[cube]
 pub(crate) fn head_scales(
     scales: &cubecl::prelude::Tensor<f32>,
     kvh: usize,
     #[comptime] kv_heads: usize,
-    #[comptime] quantised: bool,
+    #[comptime] kv: KvCacheDtype,
 ) -> (f32, f32) {
     let mut ks = 1.0f32;
     let mut vs = 1.0f32;
-    if comptime!(quantised) {
+    if comptime!(kv.is_fp8()) {
         ks = scales[kvh];
         vs = scales[kv_heads + kvh];
     }
     (ks, vs)
 }
 
-/// A cache vector as `F`: `x · scale` when `quantised` (FP8 storage), else `x` itself (the
-/// cache already holds `F`).
+/// A cache vector as f32. FP8 codes are decoded by placing their sign, exponent and mantissa in
+/// an f32's bits and scaling by 2^(127 − bias), exact for every finite code, subnormals
+/// included (the KV write saturates, so no NaN is stored): CubeCL's LLVM route lowers FP8 casts
+/// to a generic software conversion about four times as long, which made FP8 decode attention
+/// slower than bf16 (docs/BENCHMARKS.md). Other caches are cast.
+#[cube]
+pub(crate) fn load_f32<KV: Float, NV: Size>(
+    x: Vector<KV, NV>,
+    #[comptime] kv: KvCacheDtype,
+) -> Vector<f32, NV> {
+    if comptime!(kv.is_fp8()) {
+        let (shift, factor) = comptime!(kv.f32_placement());
+        let b = Vector::<u32, NV>::cast_from(Vector::<u8, NV>::reinterpret(x));
+        let sign = (b & Vector::new(0x80u32)) << Vector::new(24u32);
+        let rest = (b & Vector::new(0x7Fu32)) << Vector::new(shift);
+        Vector::<f32, NV>::reinterpret(sign | rest) * Vector::new(factor)
+    } else {
+        Vector::<f32, NV>::cast_from(x)
+    }
+}
+
+/// A cache vector as `F`: FP8 codes decoded ([`load_f32`]) and multiplied by `scale`, others
+/// as they are (the cache already holds `F`).
 #[cube]
 pub(crate) fn dequantise<KV: Float, F: Float, NV: Size>(
     x: Vector<KV, NV>,
     scale: f32,
-    #[comptime] quantised: bool,
+    #[comptime] kv: KvCacheDtype,
 ) -> Vector<F, NV> {
-    if comptime!(quantised) {
-        Vector::<F, NV>::cast_from(Vector::<f32, NV>::cast_from(x) * Vector::new(scale))
+    if comptime!(kv.is_fp8()) {
+        Vector::<F, NV>::cast_from(load_f32(x, kv) * Vector::new(scale))
     } else {
         Vector::<F, NV>::cast_from(x)
     }

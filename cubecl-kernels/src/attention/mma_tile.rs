@@ -26,7 +26,7 @@
 use cubecl::cmma::{MatrixIdent, MmaDefinition};
 use cubecl::prelude::*;
 
-use super::kv_cache::cache_row;
+use super::kv_cache::{KvCacheDtype, cache_row, load_f32};
 
 /// Shape of a K/V stage and of the units that fill it.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
@@ -102,6 +102,7 @@ pub fn fetch_kv<KV: Float, NV: Size>(
 /// as `F` (an FP8 cache's values unscaled: the callers fold the scales into the scores' scale
 /// and the output).
 #[cube]
+#[allow(clippy::too_many_arguments)]
 pub fn put_kv<F: Float, KV: Float, NV: Size>(
     k_s: &mut Shared<[Vector<F, NV>]>,
     v_s: &mut Shared<[Vector<F, NV>]>,
@@ -109,6 +110,7 @@ pub fn put_kv<F: Float, KV: Float, NV: Size>(
     unit: usize,
     kr: &Array<Vector<KV, NV>>,
     vr: &Array<Vector<KV, NV>>,
+    #[comptime] kv: KvCacheDtype,
     #[comptime] st: KvStage,
 ) {
     let dv = comptime!(st.head_dim / 8);
@@ -120,8 +122,13 @@ pub fn put_kv<F: Float, KV: Float, NV: Size>(
         let idx = i * comptime!(st.units) + unit;
         if exact || idx < total {
             let at = offset + (idx / dv) * (dv + 1) + idx % dv;
-            k_s[at] = Vector::<F, NV>::cast_from(kr[i]);
-            v_s[at] = Vector::<F, NV>::cast_from(vr[i]);
+            if comptime!(kv.is_fp8()) {
+                k_s[at] = Vector::<F, NV>::cast_from(load_f32(kr[i], kv));
+                v_s[at] = Vector::<F, NV>::cast_from(load_f32(vr[i], kv));
+            } else {
+                k_s[at] = Vector::<F, NV>::cast_from(kr[i]);
+                v_s[at] = Vector::<F, NV>::cast_from(vr[i]);
+            }
         }
     }
 }
@@ -139,6 +146,7 @@ pub fn put_kv<F: Float, KV: Float, NV: Size>(
 pub fn attend_kv_stream<F: Float, KV: Float, NV: Size, NP: Size>(
     k_cache: &Tensor<Vector<KV, NV>>,
     v_cache: &Tensor<Vector<KV, NV>>,
+    #[comptime] kv: KvCacheDtype,
     block_tables: &Tensor<i32>,
     table_row: usize,
     #[comptime] block_size: usize,
@@ -177,7 +185,7 @@ pub fn attend_kv_stream<F: Float, KV: Float, NV: Size, NP: Size>(
         &mut vr,
         st,
     );
-    put_kv::<F, KV, NV>(&mut k_s, &mut v_s, own, unit, &kr, &vr, st);
+    put_kv::<F, KV, NV>(&mut k_s, &mut v_s, own, unit, &kr, &vr, kv, st);
     stream_barrier(plane_stream);
     let mut k0 = first;
     let mut buf = 0usize;
@@ -223,6 +231,7 @@ pub fn attend_kv_stream<F: Float, KV: Float, NV: Size, NP: Size>(
                 unit,
                 &kr,
                 &vr,
+                kv,
                 st,
             );
         }

@@ -84,8 +84,8 @@ pub(crate) mod kernel {
         pub heads_per_cube: usize,
         /// Reduce through plane operations (`U` is then a multiple of the plane size).
         pub use_plane: bool,
-        /// The caches hold FP8 (`KV`): values are divided by their kv head's scale first.
-        pub quantised: bool,
+        /// How the caches store values (FP8 in `KV`: divided by their kv head's scale first).
+        pub kv: crate::attention::KvCacheDtype,
     }
 
     /// What the cache stores for value `y`: `y` rounded to `F` (the model's activations), then,
@@ -284,7 +284,7 @@ pub(crate) mod kernel {
             scale = f32::inverse_sqrt(total / f32::cast_from(d) + eps);
         }
 
-        let (ks, vs) = head_scales(kv_scales, kv_head, cfg.kv_heads, cfg.quantised);
+        let (ks, vs) = head_scales(kv_scales, kv_head, cfg.kv_heads, cfg.kv);
         let slot = max(slot, 0) as usize;
         let cache_base = cache_row(
             slot / cfg.block_size,
@@ -316,13 +316,13 @@ pub(crate) mod kernel {
                     q_out[at] = F::cast_from(y1);
                     q_out[at + pair] = F::cast_from(y2);
                 } else {
-                    k_cache[cache_base + j] = stored::<F, KV>(y1, ks, cfg.quantised);
-                    k_cache[cache_base + j + pair] = stored::<F, KV>(y2, ks, cfg.quantised);
+                    k_cache[cache_base + j] = stored::<F, KV>(y1, ks, cfg.kv.is_fp8());
+                    k_cache[cache_base + j + pair] = stored::<F, KV>(y2, ks, cfg.kv.is_fp8());
                     // Without a row scale `projected` is the value itself (F → f32 → F is exact).
                     let v1 = projected(vz[2 * p], row_s, row_bias, vcol + j, cfg);
                     let v2 = projected(vz[2 * p + 1], row_s, row_bias, vcol + j + pair, cfg);
-                    v_cache[cache_base + j] = stored::<F, KV>(v1, vs, cfg.quantised);
-                    v_cache[cache_base + j + pair] = stored::<F, KV>(v2, vs, cfg.quantised);
+                    v_cache[cache_base + j] = stored::<F, KV>(v1, vs, cfg.kv.is_fp8());
+                    v_cache[cache_base + j + pair] = stored::<F, KV>(v2, vs, cfg.kv.is_fp8());
                 }
             }
         }
@@ -400,7 +400,7 @@ pub(crate) fn rope_store_kv(
         head_units,
         heads_per_cube,
         use_plane,
-        quantised: layout.kv_dtype.is_fp8(),
+        kv: layout.kv_dtype,
     };
     let x = unit_inner_stride(x);
     // Read by row stride (rows may be pitched), elements contiguous.

@@ -19,7 +19,7 @@ use cubecl::prelude::*;
 use super::super::mma_tile::{
     KvStage, attend_kv_stream, finish_row_sums, load_q_fragments, start_rows,
 };
-use super::super::kv_cache::head_scales;
+use super::super::kv_cache::{KvCacheDtype, head_scales};
 use super::{split_keys, write_merged};
 
 /// Comptime part of the launch.
@@ -79,14 +79,14 @@ pub fn paged_decode_mma<F: Float, KV: Float, NV: Size>(
     #[comptime] block_size: usize,
     min_keys: usize,
     #[comptime] cfg: MmaGroupConfig,
-    #[comptime] quantised: bool,
+    #[comptime] kv: KvCacheDtype,
     #[define(F, KV)] _dtypes: [ElemType; 2],
 ) {
     let def = MmaDefinition::<F, F, f32>::new(16usize, 8usize, 16usize);
     let size!(NP) = def.vector_size(MatrixIdent::A);
     let kvh = CUBE_POS_X as usize;
     // An FP8 cache's key scale rides in the scores' scale, its value scale in the output.
-    let (ks, vs) = head_scales(kv_scales, kvh, cfg.kv_heads, quantised);
+    let (ks, vs) = head_scales(kv_scales, kvh, cfg.kv_heads, kv);
     let keys = split_keys(context_lens, min_keys, comptime!(cfg.step()));
     let (seq, start, end) = (keys.seq, keys.start, keys.end);
     let plane = PLANE_POS as usize;
@@ -121,6 +121,7 @@ pub fn paged_decode_mma<F: Float, KV: Float, NV: Size>(
     attend_kv_stream::<F, KV, NV, NP>(
         k_cache,
         v_cache,
+        kv,
         block_tables,
         table_row,
         block_size,

@@ -382,7 +382,7 @@ pub(crate) fn paged_decode(
                     block_size,
                     min_keys,
                     $cfg,
-                    kv_dtype.is_fp8(),
+                    kv_dtype,
                     [dtype_to_storage_type(dtype), kv_dtype.storage(dtype)],
                 )
             };

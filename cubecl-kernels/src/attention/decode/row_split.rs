@@ -22,7 +22,7 @@
 use burn::tensor::DType;
 use cubecl::prelude::*;
 
-use super::super::kv_cache::{cache_row, head_scales};
+use super::super::kv_cache::{KvCacheDtype, cache_row, head_scales, load_f32};
 use super::{split_keys, write_merged};
 use crate::device_caps::DeviceCaps;
 
@@ -71,12 +71,12 @@ pub fn paged_decode_row_split<F: Float, KV: Float, NV: Size>(
     #[comptime] block_size: usize,
     min_keys: usize,
     #[comptime] cfg: RowSplitConfig,
-    #[comptime] quantised: bool,
+    #[comptime] kv: KvCacheDtype,
     #[define(F, KV)] _dtypes: [ElemType; 2],
 ) {
     let kvh = CUBE_POS_X as usize;
     // An FP8 cache's key scale rides in the query's, its value scale in the output.
-    let (ks, vs) = head_scales(kv_scales, kvh, cfg.kv_heads, quantised);
+    let (ks, vs) = head_scales(kv_scales, kvh, cfg.kv_heads, kv);
     let q_scale = scale * ks;
     let keys = split_keys(context_lens, min_keys, comptime!(cfg.tile * cfg.streams));
     let (seq, start, end) = (keys.seq, keys.start, keys.end);
@@ -152,7 +152,7 @@ pub fn paged_decode_row_split<F: Float, KV: Float, NV: Size>(
                 let mut dot = Vector::<f32, NV>::new(0.0);
                 #[unroll(small)]
                 for sl in 0..slots {
-                    dot += qr[hh * slots + sl] * Vector::<f32, NV>::cast_from(kr[t * slots + sl]);
+                    dot += qr[hh * slots + sl] * load_f32(kr[t * slots + sl], kv);
                 }
                 let mut part = 0.0f32;
                 #[unroll]
@@ -208,7 +208,7 @@ pub fn paged_decode_row_split<F: Float, KV: Float, NV: Size>(
                 #[unroll(small)]
                 for sl in 0..slots {
                     acc[hh * slots + sl] +=
-                        Vector::<f32, NV>::cast_from(vr[t * slots + sl]) * Vector::new(p);
+                        load_f32(vr[t * slots + sl], kv) * Vector::new(p);
                 }
             }
             l[hh] = lsum;

@@ -16,7 +16,7 @@
 
 use cubecl::prelude::*;
 
-use super::super::kv_cache::{cache_row, head_scales};
+use super::super::kv_cache::{KvCacheDtype, cache_row, head_scales, load_f32};
 use super::{split_keys, write_piece};
 
 /// Comptime part of the launch.
@@ -135,12 +135,12 @@ pub fn paged_decode_wide_group<F: Float, KV: Float, NV: Size>(
     #[comptime] block_size: usize,
     min_keys: usize,
     #[comptime] cfg: WideGroupConfig,
-    #[comptime] quantised: bool,
+    #[comptime] kv: KvCacheDtype,
     #[define(F, KV)] _dtypes: [ElemType; 2],
 ) {
     let kvh = CUBE_POS_X as usize;
     // An FP8 cache's key scale rides in the scores' scale, its value scale in the output.
-    let (ks, vs) = head_scales(kv_scales, kvh, cfg.kv_heads, quantised);
+    let (ks, vs) = head_scales(kv_scales, kvh, cfg.kv_heads, kv);
     let score_scale = scale * ks;
     let keys = split_keys(context_lens, min_keys, cfg.cube_dim);
     let (seq, split, splits) = (keys.seq, keys.split, keys.splits);
@@ -211,10 +211,10 @@ pub fn paged_decode_wide_group<F: Float, KV: Float, NV: Size>(
             }
             #[unroll]
             for j in 0..dv {
-                let kv = Vector::<f32, NV>::cast_from(k_cache[base + j]);
+                let kf = load_f32(k_cache[base + j], kv);
                 #[unroll]
                 for e in 0..nv {
-                    let kval = kv.extract(e);
+                    let kval = kf.extract(e);
                     #[unroll]
                     for g in 0..group {
                         dots[g] += q_s[g * d + j * nv + e] * kval;
@@ -267,7 +267,7 @@ pub fn paged_decode_wide_group<F: Float, KV: Float, NV: Size>(
                 let vbase = base_s[kk] as usize;
                 #[unroll]
                 for sl in 0..slots {
-                    let vv = Vector::<f32, NV>::cast_from(v_cache[vbase + lane + sl * lanes]);
+                    let vv = load_f32(v_cache[vbase + lane + sl * lanes], kv);
                     #[unroll]
                     for g in 0..group {
                         acc[g * slots + sl] += vv * Vector::new(p_s[g * cfg.cube_dim + kk]);

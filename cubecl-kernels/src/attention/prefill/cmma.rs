@@ -14,7 +14,7 @@
 
 use cubecl::prelude::*;
 
-use super::super::kv_cache::{cache_row, dequantise, head_scales};
+use super::super::kv_cache::{KvCacheDtype, cache_row, dequantise, head_scales};
 use super::tile_and_group;
 
 /// Comptime part of the tensor-core launch.
@@ -64,7 +64,7 @@ pub fn paged_prefill_cmma<F: Float, KV: Float, NV: Size>(
     scale: f32,
     #[comptime] block_size: usize,
     #[comptime] cfg: CmmaPrefillConfig,
-    #[comptime] quantised: bool,
+    #[comptime] kv_dtype: KvCacheDtype,
     #[define(F, KV)] _dtypes: [ElemType; 2],
 ) {
     let (tile, h) = tile_and_group(cfg.heads);
@@ -79,7 +79,7 @@ pub fn paged_prefill_cmma<F: Float, KV: Float, NV: Size>(
     let dv = comptime!(cfg.head_dim / nv);
     let dfrags = comptime!(cfg.head_dim / 16);
     let kvh = h / comptime!(cfg.heads / cfg.kv_heads);
-    let (ks, vs) = head_scales(kv_scales, kvh, cfg.kv_heads, quantised);
+    let (ks, vs) = head_scales(kv_scales, kvh, cfg.kv_heads, kv_dtype);
     // A padding tile of a captured step (sequence −1): nothing to read or write.
     if tiles[tile * 2] < 0 {
         terminate!();
@@ -164,8 +164,8 @@ pub fn paged_prefill_cmma<F: Float, KV: Float, NV: Size>(
             if key < last_key {
                 let block = block_tables[table_row + key / block_size] as usize;
                 let at = cache_row(block, key % block_size, kvh, cfg.kv_heads, block_size) * dv + c;
-                kv = dequantise::<KV, F, NV>(k_cache[at], ks, quantised);
-                vv = dequantise::<KV, F, NV>(v_cache[at], vs, quantised);
+                kv = dequantise::<KV, F, NV>(k_cache[at], ks, kv_dtype);
+                vv = dequantise::<KV, F, NV>(v_cache[at], vs, kv_dtype);
             }
             #[unroll]
             for e in 0..nv {

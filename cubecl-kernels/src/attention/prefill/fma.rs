@@ -9,7 +9,7 @@
 
 use cubecl::prelude::*;
 
-use super::super::kv_cache::{cache_row, head_scales};
+use super::super::kv_cache::{KvCacheDtype, cache_row, head_scales};
 use super::tile_and_group;
 
 /// Comptime part of the launch.
@@ -38,7 +38,7 @@ pub fn paged_prefill_fma<F: Float, KV: Float>(
     scale: f32,
     #[comptime] block_size: usize,
     #[comptime] cfg: PrefillConfig,
-    #[comptime] quantised: bool,
+    #[comptime] kv_dtype: KvCacheDtype,
     #[define(F, KV)] _dtypes: [ElemType; 2],
 ) {
     let (tile, h) = tile_and_group(cfg.heads);
@@ -48,7 +48,7 @@ pub fn paged_prefill_fma<F: Float, KV: Float>(
     let qpad = comptime!(cfg.head_dim + 1);
     let spad = comptime!(cfg.block_k + 1);
     let kvh = h / comptime!(cfg.heads / cfg.kv_heads);
-    let (ks, vs) = head_scales(kv_scales, kvh, cfg.kv_heads, quantised);
+    let (ks, vs) = head_scales(kv_scales, kvh, cfg.kv_heads, kv_dtype);
     // A padding tile of a captured step (sequence −1): nothing to read or write.
     if tiles[tile * 2] < 0 {
         terminate!();
@@ -105,7 +105,7 @@ pub fn paged_prefill_fma<F: Float, KV: Float>(
                 let at = cache_row(block, key % block_size, kvh, cfg.kv_heads, block_size) * d + j;
                 kv = f32::cast_from(k_cache[at]);
                 vv = f32::cast_from(v_cache[at]);
-                if comptime!(quantised) {
+                if comptime!(kv_dtype.is_fp8()) {
                     kv *= ks;
                     vv *= vs;
                 }

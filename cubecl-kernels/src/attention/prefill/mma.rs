@@ -23,7 +23,7 @@ use cubecl::prelude::*;
 use super::super::mma_tile::{
     KvStage, attend_kv_stream, finish_row_sums, load_q_fragments, start_rows,
 };
-use super::super::kv_cache::head_scales;
+use super::super::kv_cache::{KvCacheDtype, head_scales};
 use super::tile_and_group;
 
 /// Comptime part of the launch.
@@ -108,7 +108,7 @@ pub fn paged_prefill_mma<F: Float, KV: Float, NV: Size>(
     scale: f32,
     #[comptime] block_size: usize,
     #[comptime] cfg: MmaPrefillConfig,
-    #[comptime] quantised: bool,
+    #[comptime] kv: KvCacheDtype,
     #[define(F, KV)] _dtypes: [ElemType; 2],
 ) {
     let def = MmaDefinition::<F, F, f32>::new(16usize, 8usize, 16usize);
@@ -124,7 +124,7 @@ pub fn paged_prefill_mma<F: Float, KV: Float, NV: Size>(
     let t = UNIT_POS_PLANE as usize % 4;
     let st = comptime!(cfg.stage());
     // An FP8 cache's key scale rides in the scores' scale, its value scale in the output.
-    let (ks, vs) = head_scales(kv_scales, kvh, cfg.kv_heads, quantised);
+    let (ks, vs) = head_scales(kv_scales, kvh, cfg.kv_heads, kv);
     // A padding tile of a captured step (sequence −1): nothing to read or write.
     if tiles[tile * 2] < 0 {
         terminate!();
@@ -166,6 +166,7 @@ pub fn paged_prefill_mma<F: Float, KV: Float, NV: Size>(
     attend_kv_stream::<F, KV, NV, NP>(
         k_cache,
         v_cache,
+        kv,
         block_tables,
         table_row,
         block_size,

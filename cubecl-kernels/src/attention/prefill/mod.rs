@@ -300,7 +300,7 @@ pub(crate) fn paged_prefill(
                 scale,
                 block_size,
                 $cfg,
-                kv_dtype.is_fp8(),
+                kv_dtype,
                 [dtype_to_storage_type(dtype), kv_dtype.storage(dtype)],
             )
         };
