@@ -284,7 +284,6 @@ pub(crate) fn paged_decode(
     }
     let group = heads / kv_heads;
     let vec = crate::vector_size(dtype, &[d]);
-    let cache_dtype = if kv_dtype.is_fp8() { DType::U8 } else { dtype };
     let mma = mma_group::MmaGroupConfig {
         group,
         head_dim: d,
@@ -310,19 +309,8 @@ pub(crate) fn paged_decode(
         })
     } else {
         Kernel::RowSplit(row_split::row_split_config(
-            &caps,
-            cache_dtype,
-            group,
-            d,
-            kv_heads,
-            block_size,
+            &caps, dtype, group, d, kv_heads, block_size,
         ))
-    };
-    // The row-split kernel reads an FP8 cache in 16-byte vectors of 16 codes (its queries are
-    // read element by element): twice the keys per load of the 8-code vectors of the others.
-    let vec = match &kernel {
-        Kernel::RowSplit(_) => crate::vector_size(cache_dtype, &[d]),
-        _ => vec,
     };
     let (units, step) = match &kernel {
         Kernel::Mma(c) => (c.units(), c.step()),
