@@ -46,8 +46,16 @@ fn setup(
     .expect("metadata");
     let shape = [blocks, c.num_key_value_heads, BLOCK_SIZE, c.head_dim];
     let cache = if kv.is_fp8() {
-        LayerKvCache::zeros(blocks, BLOCK_SIZE, c.num_key_value_heads, c.head_dim, dtype, kv, device)
-            .expect("FP8 cache")
+        LayerKvCache::zeros(
+            blocks,
+            BLOCK_SIZE,
+            c.num_key_value_heads,
+            c.head_dim,
+            dtype,
+            kv,
+            device,
+        )
+        .expect("FP8 cache")
     } else {
         LayerKvCache::new(
             Tensor::random(shape, Distribution::Normal(0.0, 1.0), (device, dtype)),

@@ -44,7 +44,12 @@ pub(crate) fn run(
     let mut rows = Vec::new();
     println!("kv_cache_dtype, positions, perplexity, vs auto, top-1 agreement with auto");
     for s in &all {
-        let same = s.picks.iter().zip(&base.picks).filter(|(a, b)| a == b).count();
+        let same = s
+            .picks
+            .iter()
+            .zip(&base.picks)
+            .filter(|(a, b)| a == b)
+            .count();
         let agreement = same as f64 / base.picks.len() as f64;
         let (ppl, base_ppl) = (s.mean_nll.exp(), base.mean_nll.exp());
         println!(
@@ -65,7 +70,9 @@ pub(crate) fn run(
             "continuations": s.continuations,
         }));
     }
-    Ok(serde_json::json!({ "suite": "kv-accuracy", "model": dir.display().to_string(), "rows": rows }))
+    Ok(
+        serde_json::json!({ "suite": "kv-accuracy", "model": dir.display().to_string(), "rows": rows }),
+    )
 }
 
 fn score(
@@ -75,9 +82,8 @@ fn score(
     positions: usize,
     kv: KvCacheDtype,
 ) -> Result<Scores> {
-    let window = WINDOW.min(
-        model_qwen2::Qwen2Config::from_file(dir.join("config.json"))?.max_position_embeddings,
-    );
+    let window = WINDOW
+        .min(model_qwen2::Qwen2Config::from_file(dir.join("config.json"))?.max_position_embeddings);
     let mut engine = LLMEngine::new(
         dir,
         EngineConfig {
@@ -104,7 +110,9 @@ fn score(
             let m = row.iter().fold(f32::NEG_INFINITY, |a, &b| a.max(b));
             let z = row.iter().map(|x| ((x - m) as f64).exp()).sum::<f64>().ln() + m as f64;
             nll += z - row[w[pos + 1] as usize] as f64;
-            let best = (0..vocab).max_by(|&a, &b| row[a].total_cmp(&row[b])).unwrap_or(0);
+            let best = (0..vocab)
+                .max_by(|&a, &b| row[a].total_cmp(&row[b]))
+                .unwrap_or(0);
             picks.push(best as u32);
         }
     }

@@ -78,9 +78,15 @@ fn main() -> Result<()> {
         return write_tables(&cli, &tables);
     }
     if cli.suite.contains(&Suite::KvAccuracy) {
-        let model = cli.model.as_deref().context("kv-accuracy needs --model (real weights)")?;
+        let model = cli
+            .model
+            .as_deref()
+            .context("kv-accuracy needs --model (real weights)")?;
         let dir = burn_nanovllm::hub::resolve_model(model, cli.revision.as_deref())?;
-        let path = cli.text.as_deref().context("kv-accuracy needs --text FILE")?;
+        let path = cli
+            .text
+            .as_deref()
+            .context("kv-accuracy needs --text FILE")?;
         let text = std::fs::read_to_string(path).with_context(|| path.display().to_string())?;
         tables.push(kv_accuracy::run(&dir, cli.device, &text, cli.positions)?);
         return write_tables(&cli, &tables);

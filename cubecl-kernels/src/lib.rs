@@ -75,9 +75,8 @@ pub mod silu_mul;
 
 pub use attention::{
     AttentionMetadata, DecodeTensors, FP8_CARRIER, KvCacheDtype, KvQuant, LayerKvCache,
-    MetadataTensors, PrefillTensors, QkNorm, Rope,
-    TileCache, paged_attention, paged_attention_ordered, prefill_tile_rows, prefill_tiles,
-    rope_store_kv, store_kv,
+    MetadataTensors, PrefillTensors, QkNorm, Rope, TileCache, paged_attention,
+    paged_attention_ordered, prefill_tile_rows, prefill_tiles, rope_store_kv, store_kv,
 };
 #[cfg(feature = "cuda")]
 pub use collective::{

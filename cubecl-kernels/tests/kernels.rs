@@ -7,8 +7,8 @@ mod kernels {
     #[cfg(feature = "cuda")]
     mod collective;
     pub mod common;
-    mod fp8_kv;
     mod cpu_builtins;
+    mod fp8_kv;
     mod host_io;
     mod linear;
     mod model_shapes;

@@ -32,7 +32,13 @@ pub(crate) fn size_kv_pool(
     let bs = config.block_size;
     let most = config.max_num_seqs() * max_model_len.div_ceil(bs);
     let DeviceKind::Cuda(index) = config.device else {
-        let fits = blocks_in(config.cpu_kv_cache_bytes, c, bs, dtype, config.kv_cache_dtype);
+        let fits = blocks_in(
+            config.cpu_kv_cache_bytes,
+            c,
+            bs,
+            dtype,
+            config.kv_cache_dtype,
+        );
         return Ok((most.min(fits).max(max_model_len.div_ceil(bs)), 0));
     };
     let read = || {

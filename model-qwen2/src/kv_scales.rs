@@ -42,7 +42,10 @@ impl Qwen2Model {
                 "KV-scale calibration needs a non-empty prompt".to_string(),
             ));
         }
-        let blocks: Vec<usize> = prompts.iter().map(|p| p.len().div_ceil(block_size)).collect();
+        let blocks: Vec<usize> = prompts
+            .iter()
+            .map(|p| p.len().div_ceil(block_size))
+            .collect();
         let mut cache = KvCache::new(
             &self.config,
             blocks.iter().sum(),

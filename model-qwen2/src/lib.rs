@@ -35,10 +35,10 @@ mod weights;
 
 pub use config::{Architecture, Qwen2Config};
 pub use cubecl_kernels::AttentionMetadata;
+pub use cubecl_kernels::KvCacheDtype;
 pub use error::{ModelError, Result};
 pub use kv_cache::{KvCache, KvScales};
 pub use kv_scales::KV_SCALE_HEADROOM;
-pub use cubecl_kernels::KvCacheDtype;
 pub use model::{LogitsRows, Qwen2Model};
 #[cfg(feature = "cuda")]
 pub use tensor_parallel::NcclAllReduce;

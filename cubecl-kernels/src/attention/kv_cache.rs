@@ -202,7 +202,10 @@ impl LayerKvCache {
                     "an FP8 KV cache needs an even head_dim, got {head_dim}"
                 )));
             }
-            ([num_blocks, num_kv_heads, block_size, head_dim / 2], FP8_CARRIER)
+            (
+                [num_blocks, num_kv_heads, block_size, head_dim / 2],
+                FP8_CARRIER,
+            )
         } else {
             (shape, dtype)
         };

@@ -447,10 +447,7 @@ pub(crate) fn rope_store_kv(
             eps[1],
             layout.head_dim / 2,
             cfg,
-            [
-                dtype_to_storage_type(dtype),
-                layout.kv_dtype.storage(dtype),
-            ],
+            [dtype_to_storage_type(dtype), layout.kv_dtype.storage(dtype)],
         );
     }
     (q_out, k_cache, v_cache)

@@ -69,7 +69,10 @@ fn decode_alone_and_in_batch(order: ReductionOrder, dtype: DType) -> (Vec<f32>, 
         random(&mut rng, len, 1.0, dtype),
     );
     let q = random(&mut rng, contexts.len() * heads * d, 1.0, dtype);
-    let cache = LayerKvCache::new(tensor(&k, shape, dtype, &device), tensor(&v, shape, dtype, &device));
+    let cache = LayerKvCache::new(
+        tensor(&k, shape, dtype, &device),
+        tensor(&v, shape, dtype, &device),
+    );
     let scale = 1.0 / (d as f32).sqrt();
     let run = |seqs: usize| {
         let meta = AttentionMetadata::decode(

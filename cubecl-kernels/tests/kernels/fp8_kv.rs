@@ -41,8 +41,9 @@ fn fp8_kv_write_rounds_like_the_host() {
             let (ks, vs) = ([0.01f32, 0.5], [0.02f32, 1.5]);
             let k = random(&mut rng, t * kv_heads * d, 8.0, dtype);
             let v = random(&mut rng, t * kv_heads * d, 8.0, dtype);
-            let mut cache = LayerKvCache::zeros(l.num_blocks, bs, kv_heads, d, dtype, kv_dtype, &device)
-                .unwrap();
+            let mut cache =
+                LayerKvCache::zeros(l.num_blocks, bs, kv_heads, d, dtype, kv_dtype, &device)
+                    .unwrap();
             assert_eq!(cache.dims(), [l.num_blocks, kv_heads, bs, d], "{what}");
             assert_eq!(cache.k.dtype(), FP8_CARRIER, "{what}");
             cache.set_scales(&ks, &vs).unwrap();

@@ -90,7 +90,11 @@ fn fp8_prompt_scores_stay_close_to_the_unquantised_cache() {
             assert!(s.iter().all(|x| x.is_finite() && *x > 0.0), "{kv:?}: {s:?}");
         }
         let (nll, picks) = score(&e);
-        let same = picks.iter().zip(&base_picks).filter(|(a, b)| a == b).count();
+        let same = picks
+            .iter()
+            .zip(&base_picks)
+            .filter(|(a, b)| a == b)
+            .count();
         let agreement = same as f64 / picks.len() as f64;
         eprintln!("{kv:?}: mean NLL {nll:.4} vs {base_nll:.4}, top-1 agreement {agreement:.3}");
         assert!(
@@ -166,7 +170,10 @@ fn fp8_generation_survives_chunking_prefix_hits_and_preemption() {
             checked += 1;
         }
     }
-    assert!(checked >= prompts.len() / 2, "{checked} prompts with a clear pick");
+    assert!(
+        checked >= prompts.len() / 2,
+        "{checked} prompts with a clear pick"
+    );
     let stats = e.stats();
     assert!(stats.preemptions > 0, "no preemption");
     assert!(stats.prefix_hit_tokens > 0, "no prefix-cache hit");

@@ -16,10 +16,10 @@
 use cubecl::cmma::{MatrixIdent, MmaDefinition};
 use cubecl::prelude::*;
 
+use super::super::kv_cache::{KvCacheDtype, head_scales};
 use super::super::mma_tile::{
     KvStage, attend_kv_stream, finish_row_sums, load_q_fragments, start_rows,
 };
-use super::super::kv_cache::{KvCacheDtype, head_scales};
 use super::{split_keys, write_merged};
 
 /// Comptime part of the launch.

@@ -207,8 +207,7 @@ pub fn paged_decode_row_split<F: Float, KV: Float, NV: Size>(
                 lsum += p;
                 #[unroll(small)]
                 for sl in 0..slots {
-                    acc[hh * slots + sl] +=
-                        load_f32(vr[t * slots + sl], kv) * Vector::new(p);
+                    acc[hh * slots + sl] += load_f32(vr[t * slots + sl], kv) * Vector::new(p);
                 }
             }
             l[hh] = lsum;
