@@ -1,4 +1,5 @@
-//! FP8 KV-cache scales measured at start-up: the sample prompts (a short English text through
+//! FP8 KV-cache scales: the checkpoint's own (`k_scale`/`v_scale`) when it carries them, else
+//! measured at start-up: the sample prompts (a short English text through
 //! the checkpoint's tokenizer, and a fixed run of pseudo-random token ids, which reaches
 //! embeddings a text does not) and the call to the model's calibration.
 
@@ -40,8 +41,10 @@ pub(crate) fn calibration_prompts(
     Ok(prompts)
 }
 
-/// The FP8 scales of `config.kv_cache_dtype` for `model` (`None` when the cache is not FP8).
-/// Tensor-parallel ranks run it together at the same point of start-up, with the same prompts.
+/// The FP8 scales of `config.kv_cache_dtype` for `model` (`None` when the cache is not FP8):
+/// the checkpoint's own when it carries them ([`Qwen2Model::checkpoint_kv_scales`]), else
+/// measured. Tensor-parallel ranks run it together at the same point of start-up, with the same
+/// prompts.
 pub(crate) fn measure_kv_scales(
     model: &Qwen2Model,
     tokenizer: Option<&Qwen2Tokenizer>,
@@ -51,6 +54,9 @@ pub(crate) fn measure_kv_scales(
 ) -> Result<Option<KvScales>> {
     if !config.kv_cache_dtype.is_fp8() {
         return Ok(None);
+    }
+    if let Some(scales) = &model.checkpoint_kv_scales {
+        return Ok(Some(scales.clone()));
     }
     let prompts = calibration_prompts(
         tokenizer,

@@ -9,7 +9,7 @@ use cubecl_kernels::{AttentionMetadata, ReductionOrder};
 
 use crate::config::Qwen2Config;
 use crate::error::{ModelError, Result};
-use crate::kv_cache::KvCache;
+use crate::kv_cache::{KvCache, KvScales};
 use crate::layers::{
     Linear, Qwen2Attention, Qwen2DecoderLayer, Qwen2Mlp, RmsNorm, RotaryEmbedding,
 };
@@ -53,6 +53,11 @@ pub struct Qwen2Model {
     /// device, and under tensor parallelism unless [`Parallel::vocab_parallel`]).
     #[module(skip)]
     pub vocab: Range<usize>,
+    /// FP8 KV-cache scales the checkpoint carries (`self_attn.k_scale` and `v_scale` of every
+    /// layer, or `kv_scale` for both, as vLLM and llm-compressor export them: one per layer,
+    /// given here to each of this rank's kv heads); `None` without them.
+    #[module(skip)]
+    pub checkpoint_kv_scales: Option<KvScales>,
 }
 
 impl Qwen2Model {
@@ -209,6 +214,7 @@ impl Qwen2Model {
                 .fold_norm_gains(),
             );
         }
+        let scales = read_kv_scales(ckpt, c.num_hidden_layers, local.num_key_value_heads)?;
         let final_norm = norm(ckpt, "model.norm.weight", h)?;
         let lm_head = if c.tie_word_embeddings {
             // Some exports store the tied head anyway; the embedding is what the model uses.
@@ -223,9 +229,9 @@ impl Qwen2Model {
                 device,
             )?
         };
-        Ok(Self::assemble(
-            local, vocab, embed, layers, final_norm, lm_head, device,
-        ))
+        let mut model = Self::assemble(local, vocab, embed, layers, final_norm, lm_head, device);
+        model.checkpoint_kv_scales = scales;
+        Ok(model)
     }
 
     /// Random weights for any config (like vLLM's `load_format=dummy`): real shapes without a
@@ -332,6 +338,7 @@ impl Qwen2Model {
             rotary,
             config,
             vocab,
+            checkpoint_kv_scales: None,
         }
     }
 
@@ -509,4 +516,38 @@ fn rank_share(parallel: Option<&Parallel>, c: &Qwen2Config) -> Result<(TpRank, R
         _ => 0..c.vocab_size,
     };
     Ok((tp, vocab))
+}
+
+/// The checkpoint's KV-cache scales ([`Qwen2Model::checkpoint_kv_scales`]): every layer's
+/// `k_scale` and `v_scale` (or `kv_scale` for both), each given to the rank's `kv_heads`; `None`
+/// when no layer has one, an error naming the first missing one when only some do.
+fn read_kv_scales(
+    ckpt: &mut Checkpoint,
+    layers: usize,
+    kv_heads: usize,
+) -> Result<Option<KvScales>> {
+    let (mut keys, mut values, mut missing) = (Vec::new(), Vec::new(), None);
+    for l in 0..layers {
+        let attn = format!("model.layers.{l}.self_attn");
+        let both = ckpt.scalar(&format!("{attn}.kv_scale"))?;
+        let k = ckpt.scalar(&format!("{attn}.k_scale"))?.or(both);
+        let v = ckpt.scalar(&format!("{attn}.v_scale"))?.or(both);
+        match (k, v) {
+            (Some(k), Some(v)) => {
+                keys.push(vec![k; kv_heads]);
+                values.push(vec![v; kv_heads]);
+            }
+            (k, _) => {
+                let which = if k.is_none() { "k_scale" } else { "v_scale" };
+                missing.get_or_insert(format!("{attn}.{which}"));
+            }
+        }
+    }
+    match missing {
+        None => Ok(Some(KvScales { keys, values })),
+        Some(_) if keys.is_empty() => Ok(None),
+        Some(name) => Err(ModelError::MissingTensor(format!(
+            "{name} (other layers carry KV-cache scales)"
+        ))),
+    }
 }

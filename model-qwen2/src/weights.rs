@@ -88,6 +88,33 @@ impl Checkpoint {
         self.index.contains_key(name)
     }
 
+    /// The one value of scalar tensor `name` (shape `[]` or `[1]`, any float dtype) as f32, or
+    /// `None` when the checkpoint has no such tensor.
+    pub fn scalar(&mut self, name: &str) -> Result<Option<f32>> {
+        let Some(&shard) = self.index.get(name) else {
+            return Ok(None);
+        };
+        let shape = self.shards[shard]
+            .metadata
+            .info(name)
+            .expect("indexed tensor has metadata")
+            .shape
+            .clone();
+        if shape.iter().product::<usize>() != 1 || shape.len() > 1 {
+            return Err(ModelError::ShapeMismatch {
+                name: name.to_string(),
+                actual: shape,
+                expected: vec![],
+            });
+        }
+        let raw = self.raw(name, &shape)?;
+        let values = TensorData::from_bytes_vec(raw.bytes, [1], raw.dtype)
+            .convert::<f32>()
+            .try_into_vec::<f32>()
+            .map_err(|e| ModelError::Input(format!("{name}: {e:?}")))?;
+        Ok(values.first().copied())
+    }
+
     /// The raw bytes of `name`, checked against `expected` shape.
     pub fn raw(&mut self, name: &str, expected: &[usize]) -> Result<RawTensor> {
         let &shard = self

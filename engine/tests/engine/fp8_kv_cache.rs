@@ -178,3 +178,83 @@ fn fp8_generation_survives_chunking_prefix_hits_and_preemption() {
     assert!(stats.preemptions > 0, "no preemption");
     assert!(stats.prefix_hit_tokens > 0, "no prefix-cache hit");
 }
+
+/// A copy of the `qwen2-tiny-untied` fixture in a temporary folder whose first `layers` layers
+/// carry f32 scalars `self_attn.k_scale` = 0.5 + layer and `self_attn.v_scale` = 0.25 ·
+/// (layer + 1), as vLLM and llm-compressor export them.
+fn checkpoint_with_kv_scales(tag: &str, layers: usize) -> std::path::PathBuf {
+    let src = fixture("qwen2-tiny-untied");
+    let dir = std::env::temp_dir().join(format!("fp8-kv-{tag}-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    for f in ["config.json", "generation_config.json"] {
+        std::fs::copy(src.join(f), dir.join(f)).unwrap();
+    }
+    let bytes = std::fs::read(src.join("model.safetensors")).unwrap();
+    let st = safetensors::SafeTensors::deserialize(&bytes).unwrap();
+    let scales: Vec<(String, [u8; 4])> = (0..layers)
+        .flat_map(|l| {
+            [
+                (
+                    format!("model.layers.{l}.self_attn.k_scale"),
+                    0.5 + l as f32,
+                ),
+                (
+                    format!("model.layers.{l}.self_attn.v_scale"),
+                    0.25 * (l + 1) as f32,
+                ),
+            ]
+        })
+        .map(|(n, v)| (n, v.to_le_bytes()))
+        .collect();
+    let mut views: Vec<(String, safetensors::tensor::TensorView<'_>)> = st.tensors();
+    for (name, b) in &scales {
+        let view =
+            safetensors::tensor::TensorView::new(safetensors::Dtype::F32, vec![], b).unwrap();
+        views.push((name.clone(), view));
+    }
+    let out = safetensors::serialize(views, None).unwrap();
+    std::fs::write(dir.join("model.safetensors"), out).unwrap();
+    dir
+}
+
+/// A checkpoint's own `k_scale`/`v_scale` are the FP8 cache's scales (each layer's given to
+/// every kv head), the unquantised cache loads the same checkpoint, and scales on only some
+/// layers are refused naming the first layer without them.
+#[test]
+fn fp8_cache_takes_the_checkpoint_scales() {
+    let layers = 3;
+    let dir = checkpoint_with_kv_scales("all", layers);
+    let config = || EngineConfig {
+        device: device(),
+        ..small_config()
+    };
+    let fp8 = LLMEngine::new(
+        &dir,
+        EngineConfig {
+            kv_cache_dtype: KvCacheDtype::Fp8E4M3,
+            ..config()
+        },
+    )
+    .unwrap();
+    let c = fp8.model_config();
+    assert_eq!(c.num_hidden_layers, layers, "the fixture's depth");
+    let scales = fp8.limits().kv_scales.clone().expect("scales");
+    let kv_heads = c.num_key_value_heads;
+    for l in 0..layers {
+        assert_eq!(scales.keys[l], vec![0.5 + l as f32; kv_heads]);
+        assert_eq!(scales.values[l], vec![0.25 * (l + 1) as f32; kv_heads]);
+    }
+    drop(fp8);
+    let plain = LLMEngine::new(&dir, config()).unwrap();
+    assert!(plain.limits().kv_scales.is_none());
+    drop(plain);
+    let partial = checkpoint_with_kv_scales("partial", 1);
+    let err = LLMEngine::new(&partial, config())
+        .err()
+        .expect("refused")
+        .to_string();
+    assert!(err.contains("model.layers.1.self_attn.k_scale"), "{err}");
+    for d in [dir, partial] {
+        let _ = std::fs::remove_dir_all(d);
+    }
+}
