@@ -14,6 +14,9 @@
 #       bf16 and an FP8 cache, both head shapes.
 #   fp8_kv.sh bench MODEL...   (dist-b/benches.xz): bench.py on random weights of each model's
 #       config with the bf16 cache, then FP8 (E4M3), back to back.
+#   fp8_kv.sh peers MODEL...   (.peerkit, installed by carrying .pk0, .pk1, .pk2 in turn and
+#       running their install.sh): vLLM 0.24's bench.py with kv_cache_dtype="fp8" on a folder of
+#       each model's config (load_format="dummy"), $VLLM_KV (default fp8; "auto" for bf16).
 # Logs go to $OUT.
 set -uo pipefail
 source "$(dirname "$0")/unpack.sh"
@@ -52,6 +55,23 @@ case "$mode" in
         echo "exit $?"; head -n 1 "$OUT/$name.log" | cut -c1-200
         grep -E "^$model" "$OUT/$name.log" | tail -n 1 | cut -d, -f1-8,12,14-15,24
       done
+    done
+    ;;
+  peers)
+    export PYTHONPATH=/tmp/site PYTHONUNBUFFERED=1 VLLM_USE_FLASHINFER_SAMPLER=0
+    kv=${VLLM_KV:-fp8}
+    for model in "$@"; do
+      dir=/tmp/models/$model-config
+      mkdir -p "$dir"
+      cp benches/configs/"$model".json "$dir/config.json"
+      cp /tmp/peerkit-tokenizer/{tokenizer.json,tokenizer_config.json} "$dir/"
+      flag=()
+      [ "$kv" != auto ] && flag=(--kv-cache-dtype "$kv")
+      echo "== vLLM $model kv $kv"
+      timeout 400 python3 .peerkit/bench_peers.py --engine vllm --model "$dir" --workload bench \
+        "${flag[@]}" --out "$OUT/vllm-$model-$kv.json" > "$OUT/vllm-$model-$kv.log" 2>&1
+      echo "exit $?"; grep -E "KV cache size|output_tok" "$OUT/vllm-$model-$kv.log" | cut -c1-200
+      tail -n 2 "$OUT/vllm-$model-$kv.log" | cut -c1-300
     done
     ;;
 esac
