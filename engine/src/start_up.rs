@@ -1,7 +1,7 @@
 //! The engine's start-up: the tokenizer and generation defaults, the batch limits resolved
-//! against the device, the warm-up forwards, the KV pool sized around the step graphs'
-//! measured memory (`memory`), the pool allocated, the graphs captured against it, and the
-//! scheduler shaped to them. `LLMEngine::with_model` assembles what this returns.
+//! against the device, the warm-up forwards, an FP8 cache's scales (`kv_calibration`), the KV
+//! pool sized around the step graphs' measured memory (`memory`), the pool allocated, the
+//! graphs captured against it, and the scheduler shaped to them. `LLMEngine::with_model` assembles what this returns.
 
 use std::path::Path;
 use std::sync::Arc;
@@ -47,7 +47,7 @@ pub struct EngineLimits {
     pub graph_memory: usize,
     /// How the KV cache stores keys and values.
     pub kv_cache_dtype: KvCacheDtype,
-    /// An FP8 cache's scales, measured at start-up (`None` otherwise).
+    /// An FP8 cache's scales: the checkpoint's, or measured at start-up (`None` without FP8).
     pub kv_scales: Option<KvScales>,
 }
 
