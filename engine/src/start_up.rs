@@ -1,7 +1,8 @@
 //! The engine's start-up: the tokenizer and generation defaults, the batch limits resolved
 //! against the device, the warm-up forwards, an FP8 cache's scales (`kv_calibration`), the KV
 //! pool sized around the step graphs' measured memory (`memory`), the pool allocated, the
-//! graphs captured against it, and the scheduler shaped to them. `LLMEngine::with_model` assembles what this returns.
+//! graphs captured against it, and the scheduler shaped to them. `LLMEngine::with_model`
+//! assembles what this returns.
 
 use std::path::Path;
 use std::sync::Arc;
