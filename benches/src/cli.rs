@@ -111,7 +111,7 @@ pub(crate) struct Cli {
     pub(crate) batch_invariant: bool,
     /// Engine suites: how the KV cache stores keys and values (auto, fp8, fp8_e4m3,
     /// fp8_e5m2).
-    #[arg(long, default_value = "auto", value_parser = |s: &str| burn_nanovllm::KvCacheDtype::parse(s).map_err(|e| e.to_string()))]
+    #[arg(long, default_value = "auto")]
     pub(crate) kv_cache_dtype: burn_nanovllm::KvCacheDtype,
     /// Engine suites: sequences of the nano workload.
     #[arg(long, default_value_t = 256)]

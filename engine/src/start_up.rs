@@ -148,18 +148,15 @@ pub(crate) fn start(
     // The pool lives as long as the engine: in persistent memory, its layers do not size
     // the dynamic pools' pages, which every step graph keeps some of.
     let cache = cubecl_kernels::persistent(&device, (), |()| {
-        let mut cache = KvCache::with_dtype(
+        KvCache::with_dtype(
             &model_config,
             num_kv_blocks,
             config.block_size,
             dtype,
             config.kv_cache_dtype,
             &device,
-        )?;
-        if let Some(scales) = &kv_scales {
-            cache.set_scales(scales)?;
-        }
-        Ok::<_, model_qwen2::ModelError>(cache)
+        )?
+        .with_scales(kv_scales.as_ref())
     })?;
     let mut runner = ModelRunner::new(
         model,

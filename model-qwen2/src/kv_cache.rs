@@ -96,6 +96,14 @@ impl KvCache {
         self.layers[0].kv_dtype()
     }
 
+    /// The cache with `scales` set ([`Self::set_scales`]) when there are some.
+    pub fn with_scales(mut self, scales: Option<&KvScales>) -> Result<Self> {
+        if let Some(scales) = scales {
+            self.set_scales(scales)?;
+        }
+        Ok(self)
+    }
+
     /// Sets an FP8 cache's scales (one list per layer, one scale per kv head).
     pub fn set_scales(&mut self, scales: &KvScales) -> Result<()> {
         if scales.keys.len() != self.layers.len() || scales.values.len() != self.layers.len() {

@@ -76,13 +76,8 @@ pub(crate) struct EngineArgs {
     pub(crate) batch_invariant: bool,
     /// How the KV cache stores keys and values: auto (the model's dtype), fp8 (= fp8_e4m3) or
     /// fp8_e5m2 (half the bytes: twice the KV blocks; scales measured at start-up).
-    #[arg(long, default_value = "auto", value_parser = parse_kv_cache_dtype)]
+    #[arg(long, default_value = "auto")]
     pub(crate) kv_cache_dtype: KvCacheDtype,
-}
-
-/// `--kv-cache-dtype`'s parser (vLLM's names).
-pub(crate) fn parse_kv_cache_dtype(name: &str) -> std::result::Result<KvCacheDtype, String> {
-    KvCacheDtype::parse(name).map_err(|e| e.to_string())
 }
 
 /// Sampling options (vLLM's names); unset ones come from the model's generation_config.json.

@@ -53,9 +53,11 @@ pub enum KvCacheDtype {
     Fp8E5M2,
 }
 
-impl KvCacheDtype {
-    /// Parses vLLM's names: `auto`, `fp8` (= `fp8_e4m3`), `fp8_e4m3`, `fp8_e5m2`.
-    pub fn parse(name: &str) -> Result<Self, KernelError> {
+impl std::str::FromStr for KvCacheDtype {
+    type Err = KernelError;
+
+    /// vLLM's names: `auto`, `fp8` (= `fp8_e4m3`), `fp8_e4m3`, `fp8_e5m2`.
+    fn from_str(name: &str) -> Result<Self, KernelError> {
         match name {
             "auto" => Ok(Self::Auto),
             "fp8" | "fp8_e4m3" => Ok(Self::Fp8E4M3),
@@ -65,7 +67,9 @@ impl KvCacheDtype {
             ))),
         }
     }
+}
 
+impl KvCacheDtype {
     /// vLLM's name of the format.
     pub fn name(self) -> &'static str {
         match self {
@@ -149,24 +153,26 @@ pub const FP8_CARRIER: DType = DType::F16;
 /// The kernels' view of a cache tensor: an FP8 cache's carrier ([`FP8_CARRIER`], `[…, D / 2]`)
 /// as the `U8` bytes it holds (`[…, D]`); any other cache as it is.
 pub(crate) fn fp8_bytes(t: CubeTensor, kv_dtype: KvCacheDtype) -> CubeTensor {
-    if !kv_dtype.is_fp8() {
-        return t;
+    match kv_dtype.is_fp8() {
+        true => relabel(t, |w| w * 2, DType::U8),
+        false => t,
     }
-    let mut shape = t.meta.shape().clone();
-    let last = shape.num_dims() - 1;
-    shape[last] *= 2;
-    CubeTensor::new_contiguous(t.client, t.device, shape, t.handle, DType::U8)
 }
 
 /// The inverse of [`fp8_bytes`]: the carrier of a `U8` view.
 pub(crate) fn fp8_carrier(t: CubeTensor, kv_dtype: KvCacheDtype) -> CubeTensor {
-    if !kv_dtype.is_fp8() {
-        return t;
+    match kv_dtype.is_fp8() {
+        true => relabel(t, |w| w / 2, FP8_CARRIER),
+        false => t,
     }
+}
+
+/// The contiguous buffer of `t` seen as `dtype`, its last dimension `last(width)` long.
+fn relabel(t: CubeTensor, last: impl Fn(usize) -> usize, dtype: DType) -> CubeTensor {
     let mut shape = t.meta.shape().clone();
-    let last = shape.num_dims() - 1;
-    shape[last] /= 2;
-    CubeTensor::new_contiguous(t.client, t.device, shape, t.handle, FP8_CARRIER)
+    let dim = shape.num_dims() - 1;
+    shape[dim] = last(shape[dim]);
+    CubeTensor::new_contiguous(t.client, t.device, shape, t.handle, dtype)
 }
 
 impl LayerKvCache {
@@ -263,11 +269,6 @@ impl LayerKvCache {
     pub fn dims(&self) -> [usize; 4] {
         let [nb, kvh, bs, w] = self.k.dims();
         [nb, kvh, bs, if self.quant.is_some() { 2 * w } else { w }]
-    }
-
-    /// The dtype of the tensors `k` and `v`: the model's, or [`FP8_CARRIER`] for an FP8 cache.
-    pub fn carrier_dtype(&self) -> DType {
-        self.k.dtype()
     }
 
     /// Tokens per block.

@@ -89,11 +89,15 @@ pub(crate) mod kernel {
     }
 
     /// What the cache stores for value `y`: `y` rounded to `F` (the model's activations), then,
-    /// when `quantised`, divided by `scale` and rounded to `KV` (saturating).
+    /// for an FP8 cache, divided by `scale` and rounded to `KV` (saturating).
     #[cube]
-    fn stored<F: Float, KV: Float>(y: f32, scale: f32, #[comptime] quantised: bool) -> KV {
+    fn stored<F: Float, KV: Float>(
+        y: f32,
+        scale: f32,
+        #[comptime] kv: crate::attention::KvCacheDtype,
+    ) -> KV {
         let y = F::cast_from(y);
-        if comptime!(quantised) {
+        if comptime!(kv.is_fp8()) {
             KV::cast_from(f32::cast_from(y) / scale)
         } else {
             KV::cast_from(y)
@@ -316,13 +320,13 @@ pub(crate) mod kernel {
                     q_out[at] = F::cast_from(y1);
                     q_out[at + pair] = F::cast_from(y2);
                 } else {
-                    k_cache[cache_base + j] = stored::<F, KV>(y1, ks, cfg.kv.is_fp8());
-                    k_cache[cache_base + j + pair] = stored::<F, KV>(y2, ks, cfg.kv.is_fp8());
+                    k_cache[cache_base + j] = stored::<F, KV>(y1, ks, cfg.kv);
+                    k_cache[cache_base + j + pair] = stored::<F, KV>(y2, ks, cfg.kv);
                     // Without a row scale `projected` is the value itself (F → f32 → F is exact).
                     let v1 = projected(vz[2 * p], row_s, row_bias, vcol + j, cfg);
                     let v2 = projected(vz[2 * p + 1], row_s, row_bias, vcol + j + pair, cfg);
-                    v_cache[cache_base + j] = stored::<F, KV>(v1, vs, cfg.kv.is_fp8());
-                    v_cache[cache_base + j + pair] = stored::<F, KV>(v2, vs, cfg.kv.is_fp8());
+                    v_cache[cache_base + j] = stored::<F, KV>(v1, vs, cfg.kv);
+                    v_cache[cache_base + j + pair] = stored::<F, KV>(v2, vs, cfg.kv);
                 }
             }
         }

@@ -111,10 +111,8 @@ impl LLMEngine {
             model.dtype(),
             self.limits.kv_cache_dtype,
             device,
-        )?;
-        if let Some(scales) = &self.limits.kv_scales {
-            cache.set_scales(scales)?;
-        }
+        )?
+        .with_scales(self.limits.kv_scales.as_ref())?;
         let meta = AttentionMetadata::prefill(vec![prompt.len()], vec![table], bs, device)?;
         let logits = model.forward(
             model.input_ids(prompt, device)?,
