@@ -9,6 +9,7 @@ mod kernels {
     pub mod common;
     mod cpu_builtins;
     mod fp8_kv;
+    mod fp8_linear;
     mod host_io;
     mod linear;
     mod model_shapes;

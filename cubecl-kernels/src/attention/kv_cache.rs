@@ -154,7 +154,7 @@ pub const FP8_CARRIER: DType = DType::F16;
 /// as the `U8` bytes it holds (`[…, D]`); any other cache as it is.
 pub(crate) fn fp8_bytes(t: CubeTensor, kv_dtype: KvCacheDtype) -> CubeTensor {
     match kv_dtype.is_fp8() {
-        true => relabel(t, |w| w * 2, DType::U8),
+        true => carrier_as_bytes(t),
         false => t,
     }
 }
@@ -162,9 +162,20 @@ pub(crate) fn fp8_bytes(t: CubeTensor, kv_dtype: KvCacheDtype) -> CubeTensor {
 /// The inverse of [`fp8_bytes`]: the carrier of a `U8` view.
 pub(crate) fn fp8_carrier(t: CubeTensor, kv_dtype: KvCacheDtype) -> CubeTensor {
     match kv_dtype.is_fp8() {
-        true => relabel(t, |w| w / 2, FP8_CARRIER),
+        true => bytes_as_carrier(t),
         false => t,
     }
+}
+
+/// A contiguous [`FP8_CARRIER`] tensor (`[…, W]`) as the `U8` bytes it holds (`[…, 2·W]`).
+pub(crate) fn carrier_as_bytes(t: CubeTensor) -> CubeTensor {
+    relabel(t, |w| w * 2, DType::U8)
+}
+
+/// A contiguous `U8` tensor of an even last dimension (`[…, W]`) as its carrier
+/// ([`FP8_CARRIER`], `[…, W / 2]`).
+pub(crate) fn bytes_as_carrier(t: CubeTensor) -> CubeTensor {
+    relabel(t, |w| w / 2, FP8_CARRIER)
 }
 
 /// The contiguous buffer of `t` seen as `dtype`, its last dimension `last(width)` long.

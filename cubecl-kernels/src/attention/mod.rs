@@ -10,7 +10,7 @@
 //! one block size, so this compiles one variant.
 
 pub(crate) mod decode;
-mod kv_cache;
+pub(crate) mod kv_cache;
 mod metadata;
 mod mma_tile;
 mod ops;

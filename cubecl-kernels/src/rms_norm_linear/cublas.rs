@@ -77,6 +77,63 @@ unsafe impl Send for DeviceLt {}
 /// Per CUDA device index: its state, or why cuBLASLt cannot serve it.
 static DEVICES: Mutex<Vec<(usize, Result<DeviceLt, String>)>> = Mutex::new(Vec::new());
 
+/// CUDA device indices where cuBLASLt's FP8 product is off, and why.
+static FP8_OFF: Mutex<Vec<(usize, String)>> = Mutex::new(Vec::new());
+
+/// The scales of an FP8 product (`crate::fp8_linear`): `w [N]` f32, one per output feature
+/// (row of W), and `x [M]` f32, one per row of x.
+#[derive(Clone, Copy)]
+pub(crate) struct Fp8Scales<'a> {
+    pub(crate) w: &'a CubeTensor,
+    pub(crate) x: &'a CubeTensor,
+}
+
+/// Why cuBLASLt's FP8 product (E4M3 operands, per-row scale vectors:
+/// `CUBLASLT_MATMUL_MATRIX_SCALE_OUTER_VEC_32F`, cuBLAS ≥ 12.9) does not serve CUDA device
+/// `index`: cuBLASLt unavailable, a device of compute capability below 8.9 (no FP8 tensor
+/// cores), or an earlier failure of the FP8 product there. `None`: it does, or may.
+pub(crate) fn fp8_unavailable_reason(index: usize) -> Option<String> {
+    if let Some(reason) = cublas_unavailable_reason(index) {
+        return Some(format!("cuBLASLt: {reason}"));
+    }
+    let off = FP8_OFF.lock().unwrap_or_else(|e| e.into_inner());
+    if let Some((_, reason)) = off.iter().find(|(i, _)| *i == index) {
+        return Some(reason.clone());
+    }
+    drop(off);
+    match compute_capability(index) {
+        Ok((major, minor)) if (major, minor) >= (8, 9) => None,
+        Ok((major, minor)) => Some(format!(
+            "cuda:{index} has compute capability {major}.{minor}; FP8 tensor cores need 8.9 or \
+             later (Ada, Hopper, Blackwell)"
+        )),
+        Err(e) => Some(format!("cuda:{index}: {e}")),
+    }
+}
+
+/// The compute capability `(major, minor)` of CUDA device `index`.
+fn compute_capability(index: usize) -> Result<(i32, i32), String> {
+    use driver::sys::CUdevice_attribute as A;
+    let failed = |e: driver::DriverError| format!("device query: {e:?}");
+    driver::result::init().map_err(failed)?;
+    let device = driver::result::device::get(index as i32).map_err(failed)?;
+    // SAFETY: a valid device handle; only queries.
+    unsafe {
+        Ok((
+            driver::result::device::get_attribute(
+                device,
+                A::CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR,
+            )
+            .map_err(failed)?,
+            driver::result::device::get_attribute(
+                device,
+                A::CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MINOR,
+            )
+            .map_err(failed)?,
+        ))
+    }
+}
+
 /// A stream's workspace: the persistent buffer (its handle and pinned resource, kept for the
 /// process) and its address.
 struct Workspace {
@@ -148,6 +205,7 @@ enum Failure {
 /// returned, so that the caller can take another path; a failure of cuBLASLt itself also marks
 /// the device unusable (with the reason, printed once).
 #[allow(clippy::too_many_arguments)]
+#[allow(clippy::too_many_arguments)]
 pub(crate) fn gemm(
     index: usize,
     x: &CubeTensor,
@@ -156,10 +214,28 @@ pub(crate) fn gemm(
     add: Option<&CubeTensor>,
     y: &CubeTensor,
     invariant: bool,
+    fp8: Option<Fp8Scales<'_>>,
 ) -> Result<(), String> {
-    match enqueue(index, x, w, bias, add, y, invariant) {
+    if fp8.is_some()
+        && let Some(reason) = fp8_unavailable_reason(index)
+    {
+        return Err(reason);
+    }
+    let is_fp8 = fp8.is_some();
+    match enqueue(index, x, w, bias, add, y, invariant, fp8) {
         Ok(()) => Ok(()),
         Err(Failure::Transient(reason)) => Err(reason),
+        Err(Failure::Fatal(reason)) if is_fp8 => {
+            // The FP8 product alone is off for the device; 16-bit products keep cuBLASLt.
+            let mut off = FP8_OFF.lock().unwrap_or_else(|e| e.into_inner());
+            if !off.iter().any(|(i, _)| *i == index) {
+                eprintln!(
+                    "burn-nanovllm: cuBLASLt's FP8 product disabled on cuda:{index}, emulating it: {reason}"
+                );
+                off.push((index, reason.clone()));
+            }
+            Err(reason)
+        }
         Err(Failure::Fatal(reason)) => {
             let mut devices = DEVICES.lock().unwrap_or_else(|e| e.into_inner());
             devices.retain(|(i, _)| *i != index);
@@ -172,6 +248,7 @@ pub(crate) fn gemm(
     }
 }
 
+#[allow(clippy::too_many_arguments)]
 fn enqueue(
     index: usize,
     x: &CubeTensor,
@@ -180,15 +257,20 @@ fn enqueue(
     add: Option<&CubeTensor>,
     y: &CubeTensor,
     invariant: bool,
+    fp8: Option<Fp8Scales<'_>>,
 ) -> Result<(), Failure> {
     let (m, k) = (x.meta.shape()[0], x.meta.shape()[1]);
     let n = w.meta.shape()[0];
-    let dtype = x.dtype;
-    let data_type = match dtype {
+    let dtype = y.dtype;
+    let out_type = match dtype {
         DType::F32 => sys::cudaDataType::CUDA_R_32F,
         DType::F16 => sys::cudaDataType::CUDA_R_16F,
         DType::BF16 => sys::cudaDataType::CUDA_R_16BF,
         other => return Err(Failure::Fatal(format!("dtype {other:?} is not supported"))),
+    };
+    let in_type = match fp8 {
+        Some(_) => sys::cudaDataType::CUDA_R_8F_E4M3,
+        None => out_type,
     };
     // The resources pin their allocations until the call is enqueued; `get_resource` is
     // answered on the device thread after every earlier launch of this thread was issued.
@@ -200,6 +282,9 @@ fn enqueue(
     let (xr, wr, yr) = (resource(x)?, resource(w)?, resource(y)?);
     let br = bias.map(resource).transpose()?;
     let ar = add.map(resource).transpose()?;
+    let sr = fp8
+        .map(|s| Ok::<_, Failure>([resource(s.w)?, resource(s.x)?]))
+        .transpose()?;
     // CubeCL's stream where this build can know it (module doc); `None`: our own, fenced.
     #[cfg(cubecl_cuda_stream)]
     let stream = {
@@ -242,6 +327,7 @@ fn enqueue(
             }
         }),
         dtype,
+        fp8: fp8.is_some(),
         bias: bias.is_some(),
         invariant,
     };
@@ -250,9 +336,12 @@ fn enqueue(
     let call = Call {
         index,
         key,
-        data_type,
+        types: [in_type, out_type],
         ptrs,
         bias: br.as_ref().map_or(0, |b| b.resource().ptr),
+        scales: sr
+            .as_ref()
+            .map_or([0, 0], |[w, x]| [w.resource().ptr, x.resource().ptr]),
         workspace,
         stream,
     };
@@ -261,7 +350,7 @@ fn enqueue(
         .client
         .exclusive(move || call.enqueue())
         .map_err(|e| Failure::Transient(format!("exclusive: {e:?}")))?;
-    drop((xr, wr, yr, br, ar));
+    drop((xr, wr, yr, br, ar, sr));
     result.map_err(Failure::Fatal)
 }
 
@@ -293,11 +382,14 @@ fn workspace(index: usize, stream: Option<CUstream>, like: &CubeTensor) -> Resul
 struct Call {
     index: usize,
     key: PlanKey,
-    data_type: sys::cudaDataType,
+    /// The operands' and the output's data types.
+    types: [sys::cudaDataType; 2],
     /// Addresses of x, W, y and the added matrix (0: none).
     ptrs: [u64; 4],
     /// Address of the bias (0: none).
     bias: u64,
+    /// Addresses of an FP8 product's scales: W's per output feature, x's per row.
+    scales: [u64; 2],
     workspace: u64,
     /// CubeCL's stream, or `None` for our fenced one.
     stream: Option<CUstream>,
@@ -311,9 +403,10 @@ impl Call {
         let Self {
             index,
             key,
-            data_type,
+            types,
             ptrs,
             bias,
+            scales,
             workspace,
             stream,
         } = self;
@@ -336,7 +429,7 @@ impl Call {
         let plan = match plans.entry(key) {
             std::collections::hash_map::Entry::Occupied(e) => e.into_mut(),
             std::collections::hash_map::Entry::Vacant(e) => {
-                e.insert(Plan::new(handle, &key, data_type)?)
+                e.insert(Plan::new(handle, &key, types)?)
             }
         };
         let alpha = 1.0f32;
@@ -355,6 +448,20 @@ impl Call {
                     plan.desc,
                     sys::cublasLtMatmulDescAttributes_t::CUBLASLT_MATMUL_DESC_BIAS_POINTER,
                     &(bias as *const c_void),
+                )?;
+            }
+            if key.fp8 {
+                // cuBLASLt's A is W (a scale per output feature), its B is x (one per row).
+                use sys::cublasLtMatmulDescAttributes_t as A;
+                set_desc(
+                    plan.desc,
+                    A::CUBLASLT_MATMUL_DESC_A_SCALE_POINTER,
+                    &(scales[0] as *const c_void),
+                )?;
+                set_desc(
+                    plan.desc,
+                    A::CUBLASLT_MATMUL_DESC_B_SCALE_POINTER,
+                    &(scales[1] as *const c_void),
                 )?;
             }
             lt::matmul(

@@ -36,7 +36,10 @@ pub(super) struct PlanKey {
     pub(super) ld: [usize; 4],
     /// Address alignment of x, W, y and the added matrix, bytes (at most 256).
     pub(super) align: [usize; 4],
+    /// The output's dtype (and the operands' unless `fp8`).
     pub(super) dtype: DType,
+    /// E4M3 operands with scale vectors: W's per output feature, x's per row.
+    pub(super) fp8: bool,
     pub(super) bias: bool,
     /// One algorithm for every `M` of this weight, without split-K (batch-invariant).
     pub(super) invariant: bool,
@@ -64,7 +67,7 @@ impl Plan {
     pub(super) fn new(
         handle: sys::cublasLtHandle_t,
         key: &PlanKey,
-        data_type: sys::cudaDataType,
+        [in_type, out_type]: [sys::cudaDataType; 2],
     ) -> Result<Self, String> {
         let err = |what: &str, e: &dyn std::fmt::Debug| format!("{what}: {e:?}");
         let (m, n, k) = (key.m as u64, key.n as u64, key.k as u64);
@@ -74,13 +77,17 @@ impl Plan {
             sys::cudaDataType::CUDA_R_32F,
         )
         .map_err(|e| err("matmul descriptor", &e))?;
-        let layout = |rows, cols, ld| {
-            lt::create_matrix_layout(data_type, rows, cols, ld).map_err(|e| err("layout", &e))
+        let typed = |data_type| {
+            move |rows, cols, ld| {
+                lt::create_matrix_layout(data_type, rows, cols, ld)
+                    .map_err(|e| err("layout", &e))
+            }
         };
+        let (operand, layout) = (typed(in_type), typed(out_type));
         let mut plan = Self {
             desc,
-            a: layout(k, n, ldw)?,
-            b: layout(k, m, ldx)?,
+            a: operand(k, n, ldw)?,
+            b: operand(k, m, ldx)?,
             d: layout(n, m, ldy)?,
             c: if ldc > 0 {
                 Some(layout(n, m, ldc)?)
@@ -105,6 +112,14 @@ impl Plan {
                     sys::cublasLtMatmulDescAttributes_t::CUBLASLT_MATMUL_DESC_EPILOGUE,
                     &sys::cublasLtEpilogue_t::CUBLASLT_EPILOGUE_BIAS,
                 )?;
+            }
+            if key.fp8 {
+                use sys::cublasLtMatmulDescAttributes_t as A;
+                let vector =
+                    sys::cublasLtMatmulMatrixScale_t::CUBLASLT_MATMUL_MATRIX_SCALE_OUTER_VEC_32F
+                        as i32;
+                set_desc(desc, A::CUBLASLT_MATMUL_DESC_A_SCALE_MODE, &vector)?;
+                set_desc(desc, A::CUBLASLT_MATMUL_DESC_B_SCALE_MODE, &vector)?;
             }
             let pref = lt::create_matmul_pref().map_err(|e| err("preference", &e))?;
             use sys::cublasLtMatmulPreferenceAttributes_t as P;

@@ -129,7 +129,7 @@ fn cublas_on_stream() -> bool {
 
 /// The CUDA device index if cuBLASLt may serve `device` now (`client`: its client, whose
 /// capture state matters).
-fn cublas_device(device: &cubecl::Device, client: &Client) -> Option<usize> {
+pub(crate) fn cublas_device(device: &cubecl::Device, client: &Client) -> Option<usize> {
     #[cfg(feature = "cuda")]
     {
         super::cublas::usable(device, client)
@@ -268,8 +268,17 @@ pub(crate) fn fused_linear(
                     let bias = bias.clone().map(unit_inner_stride);
                     let add = add.clone().map(unit_inner_stride);
                     let invariant = order == ReductionOrder::BatchInvariant;
-                    super::cublas::gemm(i, &lhs, &w, bias.as_ref(), add.as_ref(), &y, invariant)
-                        .is_ok()
+                    super::cublas::gemm(
+                        i,
+                        &lhs,
+                        &w,
+                        bias.as_ref(),
+                        add.as_ref(),
+                        &y,
+                        invariant,
+                        None,
+                    )
+                    .is_ok()
                 })
             {
                 return (y, h);

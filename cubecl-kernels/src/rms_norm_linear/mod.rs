@@ -5,7 +5,7 @@
 //! plain-Burn composition in `reference.rs`, which also defines what they compute.
 
 #[cfg(feature = "cuda")]
-mod cublas;
+pub(crate) mod cublas;
 #[cfg(feature = "cuda")]
 mod cublas_plan;
 pub(crate) mod kernel;

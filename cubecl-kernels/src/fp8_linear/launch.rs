@@ -1,0 +1,164 @@
+//! Host side of the FP8 linear family on CubeCL runtimes: the quantisation's launch geometry,
+//! and the product's route (cuBLASLt's FP8 GEMM, else the emulation; module doc of
+//! `fp8_linear`).
+//!
+//! `quantize_rows`: one cube per row, `cube_units` units (4 planes on GPUs), vectors of up to
+//! 16 bytes of the input. `dequantize_rows`: one unit per vector, 256-unit cubes.
+
+use burn::backend::cubecl::dtype_to_storage_type;
+use burn::backend::ops::FloatTensorOps;
+use burn::tensor::{DType, FloatDType, Shape};
+use burn_cubecl::{CubeBackend, ops::numeric::empty_device_dtype, tensor::CubeTensor};
+use cubecl::ir::{ElemType, FloatKind};
+use cubecl::prelude::{CubeCount, CubeDim};
+
+use super::kernel::{dequantize_rows as dequantize_kernel, quantize_rows as quantize_kernel};
+use crate::attention::kv_cache::carrier_as_bytes;
+use crate::device_caps::DeviceCaps;
+use crate::{ReductionOrder, unit_inner_stride, vector_size};
+
+/// The element the kernels read and write codes as.
+const E4M3: ElemType = ElemType::Float(FloatKind::E4M3);
+
+/// Units per cube of `dequantize_rows`.
+const DEQUANTIZE_CUBE: usize = 256;
+
+/// `x [R, C]` → its codes (`U8 [R, C]`, contiguous) and scales (`[R]` f32).
+pub(crate) fn quantize_rows(x: CubeTensor) -> (CubeTensor, CubeTensor) {
+    let x = unit_inner_stride(x);
+    let [r, c] = [x.meta.shape()[0], x.meta.shape()[1]];
+    let alloc = |shape: Shape, dtype: DType| {
+        empty_device_dtype(x.client.clone(), x.device.clone(), shape, dtype)
+    };
+    let codes = alloc(Shape::new([r, c]), DType::U8);
+    let scales = alloc(Shape::new([r]), DType::F32);
+    if r == 0 || c == 0 {
+        return (codes, scales);
+    }
+    let caps = DeviceCaps::of(&x.client);
+    let vec = vector_size(x.dtype, &[c, x.meta.strides()[0]]);
+    let units = caps.cube_units;
+    // SAFETY: one cube per row below `R`; vector indices stay below the row's `C / vec`, `C`
+    // and the row pitches being multiples of the vector.
+    unsafe {
+        quantize_kernel::launch_unchecked(
+            &x.client,
+            CubeCount::Static(r as u32, 1, 1),
+            CubeDim::new_1d(units as u32),
+            vec,
+            x.clone().into_tensor_arg(),
+            codes.clone().into_tensor_arg(),
+            scales.clone().into_tensor_arg(),
+            units,
+            caps.plane_ops && units.is_multiple_of(caps.plane_size),
+            [dtype_to_storage_type(x.dtype), E4M3],
+        );
+    }
+    (codes, scales)
+}
+
+/// Codes (`U8 [R, C]`) and scales (`[R]`) → `code · scale` `[R, C]` f32.
+fn dequantize_rows(codes: &CubeTensor, scales: &CubeTensor) -> CubeTensor {
+    let [r, c] = [codes.meta.shape()[0], codes.meta.shape()[1]];
+    let out = empty_device_dtype(
+        codes.client.clone(),
+        codes.device.clone(),
+        Shape::new([r, c]),
+        DType::F32,
+    );
+    if r == 0 || c == 0 {
+        return out;
+    }
+    let vec = vector_size(DType::F32, &[c]);
+    let cubes = (r * c / vec).div_ceil(DEQUANTIZE_CUBE);
+    // SAFETY: units past the `R · C / vec` vectors do nothing; both tensors are contiguous.
+    unsafe {
+        dequantize_kernel::launch_unchecked(
+            &codes.client,
+            CubeCount::Static(cubes as u32, 1, 1),
+            CubeDim::new_1d(DEQUANTIZE_CUBE as u32),
+            vec,
+            codes.clone().into_tensor_arg(),
+            scales.clone().into_tensor_arg(),
+            out.clone().into_tensor_arg(),
+            E4M3,
+        );
+    }
+    out
+}
+
+/// `y = x · Wᵀ (+ bias) (+ add)`, `W` as codes (carrier `[N, K / 2]`) and scales `[N]`;
+/// arguments checked by `super::check_args`.
+pub(crate) fn fp8_linear(
+    x: CubeTensor,
+    codes: CubeTensor,
+    w_scales: CubeTensor,
+    bias: Option<CubeTensor>,
+    add: Option<CubeTensor>,
+    order: ReductionOrder,
+) -> CubeTensor {
+    let dtype = x.dtype;
+    let m = x.meta.shape()[0];
+    let w = carrier_as_bytes(unit_inner_stride(codes));
+    let n = w.meta.shape()[0];
+    let (xq, x_scales) = quantize_rows(x);
+    let bias = bias.map(unit_inner_stride);
+    let add = add.map(unit_inner_stride);
+
+    #[cfg(feature = "cuda")]
+    {
+        use crate::rms_norm_linear::cublas::{Fp8Scales, gemm};
+        use crate::rms_norm_linear::launch::cublas_device;
+        let y = empty_device_dtype(
+            xq.client.clone(),
+            xq.device.clone(),
+            Shape::new([m, n]),
+            dtype,
+        );
+        if m == 0 || n == 0 {
+            return y;
+        }
+        let scales = Fp8Scales {
+            w: &w_scales,
+            x: &x_scales,
+        };
+        let invariant = order == ReductionOrder::BatchInvariant;
+        // On failure (reported once, the FP8 product then emulated on the device) the
+        // emulation below computes it.
+        if cublas_device(&xq.device, &xq.client).is_some_and(|i| {
+            gemm(
+                i,
+                &xq,
+                &w,
+                bias.as_ref(),
+                add.as_ref(),
+                &y,
+                invariant,
+                Some(scales),
+            )
+            .is_ok()
+        }) {
+            return y;
+        }
+    }
+
+    // The emulation: the same codes and scales, dequantised, multiplied in f32.
+    let f32_of = |t: CubeTensor| CubeBackend::float_cast(t, FloatDType::F32);
+    let xd = dequantize_rows(&xq, &x_scales);
+    let wd = dequantize_rows(&w, &w_scales);
+    let (y, _) = crate::rms_norm_linear::launch::fused_linear(
+        xd,
+        None,
+        None,
+        wd,
+        bias.map(f32_of),
+        add.map(f32_of),
+        0.0,
+        order,
+    );
+    if dtype == DType::F32 {
+        y
+    } else {
+        CubeBackend::float_cast(y, dtype.into())
+    }
+}

@@ -1,0 +1,69 @@
+//! The definition of the FP8 linear family on the host and in plain Burn: the test oracle, and
+//! [`super::fp8_linear`]'s path on devices that run no CubeCL kernels.
+
+use burn::tensor::{DType, FloatDType, Tensor, TensorData};
+
+use super::Fp8Rows;
+use super::kernel::E4M3_MAX;
+
+/// Quantises `x` (`rows × cols` f32, row-major) row by row as the kernel does: the E4M3 codes
+/// (`rows · cols` bytes) and the scales (`rows`).
+pub fn quantize_rows(x: &[f32], rows: usize, cols: usize) -> (Vec<u8>, Vec<f32>) {
+    assert_eq!(x.len(), rows * cols, "quantize_rows: x is not rows × cols");
+    let mut codes = Vec::with_capacity(x.len());
+    let mut scales = Vec::with_capacity(rows);
+    for row in x.chunks(cols.max(1)).take(rows) {
+        let amax = row.iter().fold(0.0f32, |m, v| m.max(v.abs()));
+        let scale = if amax > 0.0 { amax / E4M3_MAX } else { 1.0 };
+        codes.extend(
+            row.iter()
+                .map(|&v| cubecl::e4m3::from_f32(v / scale).to_bits()),
+        );
+        scales.push(scale);
+    }
+    (codes, scales)
+}
+
+/// The values `code · scale` of row-quantised codes, `rows × cols` f32.
+pub fn dequantize_rows(codes: &[u8], scales: &[f32], cols: usize) -> Vec<f32> {
+    codes
+        .chunks(cols.max(1))
+        .zip(scales)
+        .flat_map(|(row, &s)| row.iter().map(move |&b| Fp8Rows::decode(b) * s))
+        .collect()
+}
+
+/// `y = x · Wᵀ (+ b) (+ residual)` as [`super::fp8_linear`] defines it: `x [M, K]` quantised
+/// per row on the host, both operands dequantised to f32, the product in f32, rounded once to
+/// `x`'s dtype. Reads its operands back to the host.
+pub fn fp8_linear(
+    x: Tensor<2>,
+    weight: &Fp8Rows,
+    bias: Option<Tensor<1>>,
+    residual: Option<Tensor<2>>,
+) -> Tensor<2> {
+    let [m, k] = x.dims();
+    let [n, _] = weight.dims();
+    let device = x.device();
+    let dtype = x.dtype();
+    let host = x
+        .cast(FloatDType::F32)
+        .into_data()
+        .try_to_vec::<f32>()
+        .expect("f32 data");
+    let (x_codes, x_scales) = quantize_rows(&host, m, k);
+    let (w_codes, w_scales) = weight.to_host();
+    let f32_tensor = |values: Vec<f32>, shape: [usize; 2]| {
+        Tensor::<2>::from_data(TensorData::new(values, shape), (&device, DType::F32))
+    };
+    let xd = f32_tensor(dequantize_rows(&x_codes, &x_scales, k), [m, k]);
+    let wd = f32_tensor(dequantize_rows(&w_codes, &w_scales, k), [n, k]);
+    let mut y = xd.matmul(wd.transpose());
+    if let Some(b) = bias {
+        y = y + b.cast(FloatDType::F32).unsqueeze::<2>();
+    }
+    if let Some(r) = residual {
+        y = y + r.cast(FloatDType::F32);
+    }
+    y.cast(dtype)
+}
