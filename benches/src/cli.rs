@@ -113,6 +113,10 @@ pub(crate) struct Cli {
     /// fp8_e5m2).
     #[arg(long, default_value = "auto")]
     pub(crate) kv_cache_dtype: burn_nanovllm::KvCacheDtype,
+    /// Engine suites: how the layers' weights are stored (none, fp8); the linear suite adds
+    /// the FP8 products' rows with fp8.
+    #[arg(long, default_value = "none")]
+    pub(crate) quantization: burn_nanovllm::Quantization,
     /// Engine suites: sequences of the nano workload.
     #[arg(long, default_value_t = 256)]
     pub(crate) num_seqs: usize,

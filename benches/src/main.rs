@@ -226,6 +226,7 @@ fn main() -> Result<()> {
                 vocab_parallel: cli.vocab_parallel,
                 batch_invariant: cli.batch_invariant,
                 kv_cache_dtype: cli.kv_cache_dtype,
+                quantization: cli.quantization,
                 cuda_graph_sizes: (!cli.graph_sizes.is_empty()).then(|| cli.graph_sizes.clone()),
                 num_kv_blocks: cli.num_kv_blocks,
                 record_steps: true,

@@ -25,6 +25,7 @@ pub mod server;
 
 pub use chat::chat_loop;
 pub use cubecl_kernels::{DeviceKind, KvCacheDtype};
+pub use model_qwen2::Quantization;
 pub use engine::tensor_parallel::serve_if_worker;
 pub use engine::{
     EngineConfig, EngineStats, FinishReason, GpuStep, LLMEngine, RequestId, RequestMetrics,

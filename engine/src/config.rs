@@ -2,6 +2,7 @@
 
 use burn::tensor::DType;
 use cubecl_kernels::{DeviceKind, KvCacheDtype};
+use model_qwen2::Quantization;
 
 use crate::error::{EngineError, Result};
 use crate::scheduler::Admission;
@@ -97,6 +98,13 @@ pub struct EngineConfig {
     /// measured at start-up on the model itself (`model_qwen2::Qwen2Model::calibrate_kv_scales`).
     /// FP8 needs a CubeCL device (`cubecl-cpu` or CUDA).
     pub kv_cache_dtype: KvCacheDtype,
+    /// How the layers' products store their weights (vLLM's `quantization`): `None`, the
+    /// checkpoint's dtype, or `Fp8`: E4M3 weights with a scale per output feature, quantised
+    /// from the 16-bit checkpoint at start-up (half the bytes a step reads), activations
+    /// quantised per token, the products on cuBLASLt's FP8 GEMM. FP8 needs a CUDA device of
+    /// compute capability 8.9 or later (emulated on `cubecl-cpu`, for tests).
+    #[serde(default)]
+    pub quantization: Quantization,
 }
 
 impl Default for EngineConfig {
@@ -121,6 +129,7 @@ impl Default for EngineConfig {
             tensor_parallel_step_timeout: std::time::Duration::from_secs(120),
             batch_invariant: false,
             kv_cache_dtype: KvCacheDtype::Auto,
+            quantization: Quantization::None,
             enable_prefix_caching: true,
             seed: 0,
             record_steps: false,
@@ -244,6 +253,14 @@ impl EngineConfig {
                      FP8 kernels",
                     self.kv_cache_dtype.name()
                 ),
+            ));
+        }
+        if self.quantization == Quantization::Fp8 && self.device == DeviceKind::Cpu {
+            return Err(c(
+                "quantization",
+                "fp8 needs a CUDA device with FP8 tensor cores (compute capability 8.9 or \
+                 later), or cubecl-cpu (emulated): Burn's CPU backend has no FP8 kernels"
+                    .to_string(),
             ));
         }
         if !(1..=1024).contains(&self.block_size) {

@@ -1,7 +1,7 @@
 //! The engine's start-up: the tokenizer and generation defaults, the batch limits resolved
-//! against the device, the warm-up forwards, an FP8 cache's scales (`kv_calibration`), the KV
-//! pool sized around the step graphs' measured memory (`memory`), the pool allocated, the
-//! graphs captured against it, and the scheduler shaped to them. `LLMEngine::with_model`
+//! against the device, FP8 weights quantised, the warm-up forwards, an FP8 cache's scales
+//! (`kv_calibration`), the KV pool sized around the step graphs' measured memory (`memory`),
+//! the pool allocated, the graphs captured against it, and the scheduler shaped to them. `LLMEngine::with_model`
 //! assembles what this returns.
 
 use std::path::Path;
@@ -50,6 +50,8 @@ pub struct EngineLimits {
     pub kv_cache_dtype: KvCacheDtype,
     /// An FP8 cache's scales: the checkpoint's, or measured at start-up (`None` without FP8).
     pub kv_scales: Option<KvScales>,
+    /// How the layers' products store their weights.
+    pub quantization: model_qwen2::Quantization,
 }
 
 /// What start-up built, for the engine to hold.
@@ -83,6 +85,9 @@ pub(crate) fn start(
     let default_seqs = config.max_num_seqs.is_none();
     config.max_num_seqs = Some(config.max_num_seqs());
     config.validate()?;
+    model
+        .quantize_weights(config.quantization)
+        .map_err(|e| EngineError::config("quantization", e.to_string()))?;
     let tokenizer = match dir {
         Some(d) if d.join("tokenizer.json").exists() => {
             Some(Arc::new(Qwen2Tokenizer::from_dir(d)?))
@@ -203,6 +208,7 @@ pub(crate) fn start(
         graph_memory,
         kv_cache_dtype: config.kv_cache_dtype,
         kv_scales,
+        quantization: config.quantization,
     };
     let structured = StructuredOutputs::new(
         tokenizer.clone(),

@@ -8,7 +8,7 @@ mod engine {
     pub mod common;
     mod cpu_targets;
     mod default_model;
-    mod fp8_kv_cache;
+    mod fp8;
     pub mod generation;
     mod overlap;
     mod sampler;

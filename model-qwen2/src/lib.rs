@@ -29,6 +29,7 @@ mod kv_cache;
 mod kv_scales;
 pub mod layers;
 mod model;
+mod quantization;
 pub mod tensor_parallel;
 mod tokenizer;
 mod weights;
@@ -40,6 +41,7 @@ pub use error::{ModelError, Result};
 pub use kv_cache::{KvCache, KvScales};
 pub use kv_scales::KV_SCALE_HEADROOM;
 pub use model::{LogitsRows, Qwen2Model};
+pub use quantization::Quantization;
 #[cfg(feature = "cuda")]
 pub use tensor_parallel::NcclAllReduce;
 pub use tensor_parallel::{AllReduce, HostAllReduce, Parallel, TpRank};

@@ -5,7 +5,7 @@ use std::time::Instant;
 
 use anyhow::{Context, Result, bail};
 use burn_nanovllm::server::{Server, ServerConfig, shutdown_signal};
-use burn_nanovllm::{EngineConfig, FinishReason, LLM, Prompt, SamplingParams};
+use burn_nanovllm::{EngineConfig, FinishReason, LLM, Prompt, Quantization, SamplingParams};
 use clap::Args;
 
 use super::options::{EngineArgs, ModelArgs, SamplingArgs, engine_config, sampling_params};
@@ -101,11 +101,15 @@ fn load(model: &ModelArgs, config: EngineConfig) -> Result<LLM> {
     let llm = LLM::new(&dir, config).with_context(|| format!("loading {}", dir.display()))?;
     let limits = llm.engine().limits();
     eprintln!(
-        "loaded {} in {:.2?} on {:?} ({:?}): {} KV blocks of {} tokens ({}), max_model_len {}, {}",
+        "loaded {} in {:.2?} on {:?} ({:?}{}): {} KV blocks of {} tokens ({}), max_model_len {}, {}",
         dir.display(),
         start.elapsed(),
         model.device,
         limits.dtype,
+        match limits.quantization {
+            Quantization::None => "",
+            Quantization::Fp8 => ", fp8 weights",
+        },
         limits.num_kv_blocks,
         limits.block_size,
         limits.kv_cache_dtype.name(),

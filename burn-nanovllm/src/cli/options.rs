@@ -6,7 +6,9 @@ use std::path::PathBuf;
 use anyhow::{Context, Result};
 use burn::tensor::DType;
 use burn_nanovllm::hub::resolve_model;
-use burn_nanovllm::{DeviceKind, EngineConfig, KvCacheDtype, SamplingParams, StructuredOutput};
+use burn_nanovllm::{
+    DeviceKind, EngineConfig, KvCacheDtype, Quantization, SamplingParams, StructuredOutput,
+};
 use clap::Args;
 
 #[derive(Args)]
@@ -78,6 +80,11 @@ pub(crate) struct EngineArgs {
     /// fp8_e5m2 (half the bytes: twice the KV blocks; scales measured at start-up).
     #[arg(long, default_value = "auto")]
     pub(crate) kv_cache_dtype: KvCacheDtype,
+    /// How the layers' weights are stored: none (the checkpoint's dtype) or fp8 (E4M3 with a
+    /// scale per output feature, quantised at start-up: half the bytes; CUDA compute
+    /// capability 8.9 or later).
+    #[arg(long, default_value = "none")]
+    pub(crate) quantization: Quantization,
 }
 
 /// Sampling options (vLLM's names); unset ones come from the model's generation_config.json.
@@ -183,6 +190,7 @@ pub(crate) fn engine_config(model: &ModelArgs, e: &EngineArgs) -> EngineConfig {
         vocab_parallel: e.vocab_parallel,
         batch_invariant: e.batch_invariant,
         kv_cache_dtype: e.kv_cache_dtype,
+        quantization: e.quantization,
         ..EngineConfig::default()
     }
 }

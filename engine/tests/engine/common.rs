@@ -196,3 +196,38 @@ pub fn drain(engine: &mut LLMEngine, ids: &[RequestId]) -> Vec<Finished> {
     }
     ids.iter().map(|id| done.remove(id).unwrap()).collect()
 }
+
+/// Row-wise log-softmax of `[n, vocab]` logits.
+pub fn log_softmax(logits: &[f32], vocab: usize) -> Vec<f32> {
+    logits
+        .chunks(vocab)
+        .flat_map(|row| {
+            let m = row.iter().fold(f32::NEG_INFINITY, |a, &b| a.max(b));
+            let z = row.iter().map(|x| (x - m).exp()).sum::<f32>().ln() + m;
+            row.iter().map(move |x| x - z)
+        })
+        .collect()
+}
+
+/// The index of a row's largest value.
+pub fn argmax(row: &[f32]) -> usize {
+    (0..row.len())
+        .max_by(|&a, &b| row[a].total_cmp(&row[b]))
+        .unwrap()
+}
+
+/// The mean next-token negative log-likelihood of `prompts` under `e` and its top-1 pick at
+/// every position (`LLMEngine::prompt_logits`).
+pub fn prompt_scores(e: &engine::LLMEngine, prompts: &[Vec<u32>]) -> (f64, Vec<usize>) {
+    let vocab = e.model_config().vocab_size;
+    let (mut nll, mut picks, mut n) = (0f64, Vec::new(), 0usize);
+    for ids in prompts {
+        let lp = log_softmax(&e.prompt_logits(ids).unwrap(), vocab);
+        for (pos, next) in ids.iter().enumerate().skip(1) {
+            nll -= lp[(pos - 1) * vocab + *next as usize] as f64;
+            n += 1;
+        }
+        picks.extend(lp.chunks(vocab).map(argmax));
+    }
+    (nll / n as f64, picks)
+}

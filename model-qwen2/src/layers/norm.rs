@@ -26,9 +26,13 @@ impl RmsNorm {
         cubecl_kernels::rms_norm(x, self.weight.val(), self.eps)
     }
 
-    /// `rms_norm(x) · Wᵀ (+ b)` in one op, in `linear`'s reduction order. `x [M, dim]` →
-    /// `[M, out]`.
+    /// `rms_norm(x) · Wᵀ (+ b)` in one op (two for an FP8 `linear`), in `linear`'s reduction
+    /// order. `x [M, dim]` → `[M, out]`.
     pub fn forward_linear(&self, x: Tensor<2>, linear: &Linear) -> Tensor<2> {
+        if linear.fp8_scales.is_some() {
+            // The FP8 product quantises its input rows: the norm runs first.
+            return linear.forward(self.forward(x));
+        }
         cubecl_kernels::rms_norm_linear_ordered(
             x,
             self.weight.val(),

@@ -1,11 +1,13 @@
-//! FP8 KV caches through the engine (`EngineConfig::kv_cache_dtype`), on the trained default
-//! model (real weights: its keys and values have the ranges the scales must cover) on CubeCL's
-//! CPU runtime in f32 (`ENGINE_TEST_DEVICE=cuda`: CUDA in bf16): prompt log-probabilities close
-//! to the unquantised cache's, scales measured per layer and kv head, four times the blocks of
-//! an f32 cache in the same budget, and generation through chunked prefill, prefix-cache hits
-//! and preemption agreeing with the prompt's own scoring.
+//! FP8 through the engine: KV caches (`EngineConfig::kv_cache_dtype`) and weights
+//! (`EngineConfig::quantization`), on the trained default model (real weights: its keys,
+//! values and activations have the ranges the scales must cover) on CubeCL's CPU runtime in
+//! f32 (the FP8 products emulated; `ENGINE_TEST_DEVICE=cuda`: CUDA in bf16, cuBLASLt's FP8
+//! GEMM): prompt log-probabilities close to the unquantised model's, KV scales measured per
+//! layer and kv head, four times the blocks of an f32 cache in the same budget, and generation
+//! through chunked prefill, prefix-cache hits and preemption agreeing with the prompt's own
+//! scoring.
 
-use engine::{DeviceKind, EngineConfig, KvCacheDtype, LLMEngine};
+use engine::{DeviceKind, EngineConfig, KvCacheDtype, LLMEngine, Quantization};
 
 use super::common::*;
 
@@ -34,22 +36,12 @@ fn engine(kv_cache_dtype: KvCacheDtype, config: EngineConfig) -> LLMEngine {
     )
 }
 
-/// Row-wise log-softmax of `[n, vocab]` logits.
-fn log_softmax(logits: &[f32], vocab: usize) -> Vec<f32> {
-    logits
-        .chunks(vocab)
-        .flat_map(|row| {
-            let m = row.iter().fold(f32::NEG_INFINITY, |a, &b| a.max(b));
-            let z = row.iter().map(|x| (x - m).exp()).sum::<f32>().ln() + m;
-            row.iter().map(move |x| x - z)
-        })
-        .collect()
-}
-
-fn argmax(row: &[f32]) -> usize {
-    (0..row.len())
-        .max_by(|&a, &b| row[a].total_cmp(&row[b]))
-        .unwrap()
+/// `small_config` with FP8 weights.
+fn fp8_weights() -> EngineConfig {
+    EngineConfig {
+        quantization: Quantization::Fp8,
+        ..small_config()
+    }
 }
 
 /// Next-token log-likelihood and top-1 picks of the golden prompts with each format: E4M3
@@ -62,19 +54,7 @@ fn fp8_prompt_scores_stay_close_to_the_unquantised_cache() {
     let prompts = golden.prompts();
     let reference = engine(KvCacheDtype::Auto, small_config());
     assert!(reference.limits().kv_scales.is_none());
-    let vocab = reference.model_config().vocab_size;
-    let score = |e: &LLMEngine| {
-        let (mut nll, mut picks, mut n) = (0f64, Vec::new(), 0usize);
-        for ids in &prompts {
-            let lp = log_softmax(&e.prompt_logits(ids).unwrap(), vocab);
-            for (pos, next) in ids.iter().enumerate().skip(1) {
-                nll -= lp[(pos - 1) * vocab + *next as usize] as f64;
-                n += 1;
-            }
-            picks.extend(lp.chunks(vocab).map(argmax));
-        }
-        (nll / n as f64, picks)
-    };
+    let score = |e: &LLMEngine| prompt_scores(e, &prompts);
     let (base_nll, base_picks) = score(&reference);
     for (kv, nll_tol, top1) in [
         (KvCacheDtype::Fp8E4M3, 0.02, 0.90),
@@ -128,10 +108,10 @@ fn fp8_cache_holds_more_blocks_in_the_same_budget() {
     );
 }
 
-/// Greedy generation over an FP8 cache with chunked prefill (24-token steps), a prefix of
-/// whole blocks shared by every prompt (cache hits) and a pool too small for all of them (preemption): every
-/// request completes, and its first token is the top pick of its prompt's own FP8 scoring
-/// where that pick leads by a clear margin.
+/// Greedy generation over an FP8 cache, with and without FP8 weights, with chunked prefill
+/// (24-token steps), a prefix of whole blocks shared by every prompt (cache hits) and a pool
+/// too small for all of them (preemption): every request completes, and its first token is the
+/// top pick of its prompt's own scoring (same engine) where that pick leads by a clear margin.
 #[test]
 fn fp8_generation_survives_chunking_prefix_hits_and_preemption() {
     let golden = Golden::load(DEFAULT_MODEL);
@@ -144,39 +124,99 @@ fn fp8_generation_survives_chunking_prefix_hits_and_preemption() {
         .iter()
         .map(|p| shared.iter().chain(p).copied().collect())
         .collect();
-    let mut e = engine(
-        KvCacheDtype::Fp8E4M3,
-        tight_pool(EngineConfig {
-            enable_prefix_caching: true,
-            ..small_config()
-        }),
-    );
-    let vocab = e.model_config().vocab_size;
-    let ids: Vec<_> = prompts
-        .iter()
-        .map(|p| e.add_request(p.clone(), greedy(24)).unwrap())
-        .collect();
-    let done = drain(&mut e, &ids);
-    let mut checked = 0;
-    for (p, f) in prompts.iter().zip(&done) {
-        assert_eq!(f.tokens.len(), 24);
-        let lp = log_softmax(&e.prompt_logits(p).unwrap(), vocab);
-        let last = &lp[(p.len() - 1) * vocab..];
-        let top = argmax(last);
-        let mut sorted = last.to_vec();
-        sorted.sort_by(|a, b| b.total_cmp(a));
-        if sorted[0] - sorted[1] > 0.05 {
-            assert_eq!(f.tokens[0] as usize, top, "first token");
-            checked += 1;
+    for quantization in [Quantization::None, Quantization::Fp8] {
+        let mut e = engine(
+            KvCacheDtype::Fp8E4M3,
+            tight_pool(EngineConfig {
+                enable_prefix_caching: true,
+                quantization,
+                ..small_config()
+            }),
+        );
+        assert_eq!(e.limits().quantization, quantization);
+        let vocab = e.model_config().vocab_size;
+        let ids: Vec<_> = prompts
+            .iter()
+            .map(|p| e.add_request(p.clone(), greedy(24)).unwrap())
+            .collect();
+        let done = drain(&mut e, &ids);
+        let mut checked = 0;
+        for (p, f) in prompts.iter().zip(&done) {
+            assert_eq!(f.tokens.len(), 24, "{quantization:?}");
+            let lp = log_softmax(&e.prompt_logits(p).unwrap(), vocab);
+            let last = &lp[(p.len() - 1) * vocab..];
+            let top = argmax(last);
+            let mut sorted = last.to_vec();
+            sorted.sort_by(|a, b| b.total_cmp(a));
+            if sorted[0] - sorted[1] > 0.05 {
+                assert_eq!(f.tokens[0] as usize, top, "{quantization:?}: first token");
+                checked += 1;
+            }
         }
+        assert!(
+            checked >= prompts.len() / 2,
+            "{quantization:?}: {checked} prompts with a clear pick"
+        );
+        let stats = e.stats();
+        assert!(stats.preemptions > 0, "{quantization:?}: no preemption");
+        assert!(
+            stats.prefix_hit_tokens > 0,
+            "{quantization:?}: no prefix-cache hit"
+        );
     }
-    assert!(
-        checked >= prompts.len() / 2,
-        "{checked} prompts with a clear pick"
-    );
-    let stats = e.stats();
-    assert!(stats.preemptions > 0, "no preemption");
-    assert!(stats.prefix_hit_tokens > 0, "no prefix-cache hit");
+}
+
+/// FP8 weights (each layer's products E4M3 with a scale per output feature, activations
+/// quantised per token) keep the golden prompts' mean negative log-likelihood within 2 % of
+/// the unquantised model's and the top-1 pick at ≥ 90 % of positions; with an FP8 cache as
+/// well, within 3 % and 85 %.
+#[test]
+fn fp8_weights_keep_prompt_scores_close() {
+    let golden = Golden::load(DEFAULT_MODEL);
+    let prompts = golden.prompts();
+    let reference = engine(KvCacheDtype::Auto, small_config());
+    assert_eq!(reference.limits().quantization, Quantization::None);
+    let (base_nll, base_picks) = prompt_scores(&reference, &prompts);
+    drop(reference);
+    for (kv, nll_tol, top1) in [
+        (KvCacheDtype::Auto, 0.02, 0.90),
+        (KvCacheDtype::Fp8E4M3, 0.03, 0.85),
+    ] {
+        let e = engine(kv, fp8_weights());
+        assert_eq!(e.limits().quantization, Quantization::Fp8);
+        let (nll, picks) = prompt_scores(&e, &prompts);
+        let same = picks
+            .iter()
+            .zip(&base_picks)
+            .filter(|(a, b)| a == b)
+            .count();
+        let agreement = same as f64 / picks.len() as f64;
+        eprintln!(
+            "fp8 weights, {kv:?} cache: mean NLL {nll:.4} vs {base_nll:.4}, top-1 agreement \
+             {agreement:.3}"
+        );
+        assert!(
+            ((nll - base_nll) / base_nll).abs() < nll_tol,
+            "{kv:?}: mean NLL {nll} vs {base_nll}"
+        );
+        assert!(agreement >= top1, "{kv:?}: top-1 agreement {agreement}");
+    }
+}
+
+/// FP8 weights on Burn's CPU backend are refused naming the option.
+#[test]
+fn fp8_weights_are_refused_without_fp8_kernels() {
+    let err = LLMEngine::new(
+        fixture(DEFAULT_MODEL),
+        EngineConfig {
+            device: DeviceKind::Cpu,
+            ..fp8_weights()
+        },
+    )
+    .err()
+    .expect("refused")
+    .to_string();
+    assert!(err.contains("quantization") && err.contains("fp8"), "{err}");
 }
 
 /// A copy of the `qwen2-tiny-untied` fixture in a temporary folder whose first `layers` layers
