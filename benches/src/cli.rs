@@ -35,6 +35,9 @@ pub(crate) struct Cli {
     /// Head shapes of the decode and prefill suites (comma-separated), instead of both.
     #[arg(long, value_delimiter = ',', default_values_t = ["qwen2-0.5b".to_string(), "qwen3-0.6b".to_string()])]
     pub(crate) models: Vec<String>,
+    /// Models of the linear suite (comma-separated).
+    #[arg(long, value_delimiter = ',', default_values_t = ["qwen2-0.5b".to_string(), "qwen2-1.5b".to_string(), "qwen3-0.6b".to_string()])]
+    pub(crate) linear_models: Vec<String>,
     /// Write all tables as JSON here.
     #[arg(long)]
     pub(crate) out: Option<PathBuf>,

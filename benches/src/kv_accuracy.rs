@@ -1,12 +1,14 @@
-//! What an FP8 KV cache costs in accuracy on a real checkpoint: perplexity of a text the model
-//! did not train on, scored in windows through `LLMEngine::prompt_logits` (the prefill kernel
+//! What an FP8 KV cache and FP8 weights cost in accuracy on a real checkpoint: perplexity of a
+//! text the model did not train on, scored in windows through `LLMEngine::prompt_logits` (the prefill kernel
 //! reads every key and value back from the cache), the top-1 agreement of every position with
-//! the unquantised cache, and greedy continuations of the text's first words.
+//! the unquantised model, and greedy continuations of the text's first words.
 
 use std::path::Path;
 
 use anyhow::{Context, Result};
-use burn_nanovllm::{DeviceKind, EngineConfig, KvCacheDtype, LLMEngine, SamplingParams};
+use burn_nanovllm::{
+    DeviceKind, EngineConfig, KvCacheDtype, LLMEngine, Quantization, SamplingParams,
+};
 
 /// `max_model_len` of the scoring engines (at most the checkpoint's); windows are one token
 /// shorter.
@@ -19,13 +21,15 @@ const CONTINUATIONS: [(usize, usize); 3] = [(16, 32), (24, 32), (32, 32)];
 /// One format's scores.
 struct Scores {
     kv: KvCacheDtype,
+    weights: Quantization,
     mean_nll: f64,
     picks: Vec<u32>,
     continuations: Vec<String>,
 }
 
-/// Scores `text` (at most `positions` predicted tokens) with the model's own dtype and with
-/// each FP8 format, printing a table and returning it as JSON.
+/// Scores `text` (at most `positions` predicted tokens) with the model's own dtype, each FP8
+/// cache format, FP8 weights, and FP8 weights with an E4M3 cache, printing a table and
+/// returning it as JSON.
 pub(crate) fn run(
     dir: &Path,
     device: DeviceKind,
@@ -33,16 +37,20 @@ pub(crate) fn run(
     positions: usize,
 ) -> Result<serde_json::Value> {
     let mut all = Vec::new();
-    for kv in [
-        KvCacheDtype::Auto,
-        KvCacheDtype::Fp8E4M3,
-        KvCacheDtype::Fp8E5M2,
+    for (kv, weights) in [
+        (KvCacheDtype::Auto, Quantization::None),
+        (KvCacheDtype::Fp8E4M3, Quantization::None),
+        (KvCacheDtype::Fp8E5M2, Quantization::None),
+        (KvCacheDtype::Auto, Quantization::Fp8),
+        (KvCacheDtype::Fp8E4M3, Quantization::Fp8),
     ] {
-        all.push(score(dir, device, text, positions, kv)?);
+        all.push(score(dir, device, text, positions, kv, weights)?);
     }
     let base = &all[0];
     let mut rows = Vec::new();
-    println!("kv_cache_dtype, positions, perplexity, vs auto, top-1 agreement with auto");
+    println!(
+        "kv_cache_dtype, quantization, positions, perplexity, vs unquantised, top-1 agreement"
+    );
     for s in &all {
         let same = s
             .picks
@@ -53,8 +61,9 @@ pub(crate) fn run(
         let agreement = same as f64 / base.picks.len() as f64;
         let (ppl, base_ppl) = (s.mean_nll.exp(), base.mean_nll.exp());
         println!(
-            "{}, {}, {ppl:.4}, {:+.3} %, {agreement:.4}",
+            "{}, {}, {}, {ppl:.4}, {:+.3} %, {agreement:.4}",
             s.kv.name(),
+            s.weights.name(),
             s.picks.len(),
             100.0 * (ppl / base_ppl - 1.0)
         );
@@ -63,6 +72,7 @@ pub(crate) fn run(
         }
         rows.push(serde_json::json!({
             "kv_cache_dtype": s.kv.name(),
+            "quantization": s.weights.name(),
             "positions": s.picks.len(),
             "perplexity": ppl,
             "perplexity_change": ppl / base_ppl - 1.0,
@@ -81,6 +91,7 @@ fn score(
     text: &str,
     positions: usize,
     kv: KvCacheDtype,
+    weights: Quantization,
 ) -> Result<Scores> {
     let window = WINDOW
         .min(model_qwen2::Qwen2Config::from_file(dir.join("config.json"))?.max_position_embeddings);
@@ -89,6 +100,7 @@ fn score(
         EngineConfig {
             device,
             kv_cache_dtype: kv,
+            quantization: weights,
             max_model_len: Some(window),
             max_num_batched_tokens: window,
             max_num_seqs: Some(8),
@@ -97,7 +109,13 @@ fn score(
             ..EngineConfig::default()
         },
     )
-    .with_context(|| format!("engine with kv_cache_dtype {}", kv.name()))?;
+    .with_context(|| {
+        format!(
+            "engine with kv_cache_dtype {}, quantization {}",
+            kv.name(),
+            weights.name()
+        )
+    })?;
     let ids = engine.encode(text)?;
     let vocab = engine.model_config().vocab_size;
     let (mut nll, mut picks) = (0f64, Vec::new());
@@ -143,6 +161,7 @@ fn score(
     }
     Ok(Scores {
         kv,
+        weights,
         mean_nll,
         picks,
         continuations,

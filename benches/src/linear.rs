@@ -1,11 +1,12 @@
 //! Every product of a Qwen2 block at the model's shapes, in the forms the ops offer, against
-//! Burn's own ops; `scripts/baselines/torch_linear.py` times cuBLAS (`F.linear`) and PyTorch's
+//! Burn's own ops (with FP8 weights, `--quantization fp8`, each form's FP8 product too: route
+//! `Fp8`, its error against the unquantised reference); `scripts/baselines/torch_linear.py` times cuBLAS (`F.linear`) and PyTorch's
 //! composition of the same result on the same shapes, graph against graph, and
 //! `compare_linear.py` joins both.
 
 use burn::tensor::{DType, Device, Distribution, Tensor};
 use cubecl_kernels::rms_norm_linear::reference;
-use cubecl_kernels::{RowScale, fold_norm_gain};
+use cubecl_kernels::{Fp8Rows, RowScale, fold_norm_gain};
 use model_qwen2::Qwen2Config;
 use serde_json::json;
 
@@ -68,6 +69,7 @@ pub fn run(
     config: &Qwen2Config,
     ms: &[usize],
     baselines: bool,
+    fp8: bool,
     device: &Device,
     dtype: DType,
 ) -> Report {
@@ -100,6 +102,14 @@ pub fn run(
         let b = s
             .bias
             .then(|| Tensor::<1>::random([s.n], Distribution::Normal(0.0, 0.1), (device, dtype)));
+        // The model's FP8 products multiply the folded weight (the norm deferred).
+        let quantized = fp8.then(|| {
+            let w = match s.form {
+                Form::Norm | Form::Activated => folded.clone(),
+                Form::Plain | Form::Residual => w.clone(),
+            };
+            Fp8Rows::quantize(w).expect("FP8 weights on this device")
+        });
         for &m in ms {
             let x = normal([m, s.k], 1.0);
             let residual = normal([m, s.n], 1.0);
@@ -135,6 +145,35 @@ pub fn run(
                 ),
             };
             let matmul = || x.clone().matmul(w.clone().transpose());
+            let fp8_product = |wq: &Fp8Rows| {
+                let order = cubecl_kernels::ReductionOrder::Fastest;
+                let row_scale = RowScale {
+                    input: &x,
+                    bias: b.as_ref(),
+                    eps: EPS,
+                };
+                match s.form {
+                    Form::Norm => row_scale.apply(cubecl_kernels::fp8_linear(
+                        x.clone(),
+                        wq,
+                        None,
+                        None,
+                        order,
+                    )),
+                    Form::Plain => cubecl_kernels::fp8_linear(x.clone(), wq, b.clone(), None, order),
+                    Form::Residual => cubecl_kernels::fp8_linear(
+                        x.clone(),
+                        wq,
+                        b.clone(),
+                        Some(residual.clone()),
+                        order,
+                    ),
+                    Form::Activated => {
+                        let z = cubecl_kernels::fp8_linear(x.clone(), wq, None, None, order);
+                        cubecl_kernels::silu_mul(z, Some(row_scale))
+                    }
+                }
+            };
             let err = if baselines {
                 rel_err(ours(), unfused())
             } else {
@@ -172,6 +211,27 @@ pub fn run(
                 json!(t_unfused / t_ours),
                 json!(err),
             ]);
+            if let Some(wq) = &quantized {
+                let t = graph_us(device, calls, reps, || fp8_product(wq));
+                let err = rel_err(fp8_product(wq), unfused());
+                let bytes = m * s.k * dtype.size() + s.n * s.k + m * s.n * dtype.size();
+                report.row(vec![
+                    json!(model),
+                    json!(s.name),
+                    json!(format!("{dtype:?}").to_lowercase()),
+                    json!("Fp8"),
+                    json!(m),
+                    json!(s.k),
+                    json!(s.n),
+                    json!(t),
+                    json!(t_unfused),
+                    json!(t_matmul),
+                    json!(bytes as f64 / t / 1e3),
+                    json!(flops / t / 1e6),
+                    json!(t_unfused / t),
+                    json!(err),
+                ]);
+            }
         }
     }
     report

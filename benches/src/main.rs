@@ -119,12 +119,14 @@ fn main() -> Result<()> {
                 .collect::<Result<_>>()?
         };
         for dtype in dtypes {
-            for model in ["qwen2-0.5b", "qwen2-1.5b", "qwen3-0.6b"] {
+            let fp8 = cli.quantization == burn_nanovllm::Quantization::Fp8;
+            for model in &cli.linear_models {
                 let mut c = config(model)?;
                 if q {
                     c.vocab_size = 1000;
                 }
-                tables.push(linear::run(model, &c, ms, !cli.ours_only, &device, dtype).json());
+                let baselines = !cli.ours_only;
+                tables.push(linear::run(model, &c, ms, baselines, fp8, &device, dtype).json());
             }
         }
     }

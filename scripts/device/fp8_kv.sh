@@ -1,22 +1,27 @@
 #!/usr/bin/env bash
-# On the GPU machine (device tool, nvidia-h100-x1): FP8 KV caches on CUDA.
+# On the GPU machine (device tool, nvidia-h100-x1): FP8 KV caches and FP8 weights on CUDA.
 #   fp8_kv.sh kernels   (dist-kk/kernels.xz: `cargo test --workspace --test kernels --no-run`,
-#       stripped): the FP8 KV write against the host's rounding and FP8 attention against the
-#       dequantised reference (decode and prefill, the tensor-core tiles), then the attention and
-#       KV-write tests, with KERNEL_TEST_DEVICE=cuda.
+#       stripped): the FP8 KV write against the host's rounding, FP8 attention against the
+#       dequantised reference (decode and prefill, the tensor-core tiles), the FP8 weights'
+#       quantisation and cuBLASLt FP8 product against their definition, then the attention
+#       and KV-write tests, with KERNEL_TEST_DEVICE=cuda.
 #   fp8_kv.sh engine   (dist-e/engine.xz, models/tiny-english): the engine's FP8 tests
-#       (prompt scores against the bf16 cache, generation through chunking, prefix hits and
-#       preemption) and the default model's, with ENGINE_TEST_DEVICE=cuda.
+#       (prompt scores against bf16, generation through chunking, prefix hits and preemption,
+#       FP8 cache and FP8 weights) and the default model's, with ENGINE_TEST_DEVICE=cuda.
 #   fp8_kv.sh accuracy TEXT   (dist-b/benches.xz, models/tiny-english): perplexity of TEXT (a
-#       file the model did not train on), top-1 agreement with the bf16 cache over up to 10,000
-#       positions, greedy continuations: bf16, fp8_e4m3, fp8_e5m2.
+#       file the model did not train on), top-1 agreement with bf16 over up to 10,000
+#       positions, greedy continuations: bf16, fp8_e4m3 and fp8_e5m2 caches, FP8 weights, both.
+#   fp8_kv.sh linear MODEL...   (dist-b/benches.xz): every product of each model at decode and
+#       prefill sizes, bf16 and FP8 weights.
 #   fp8_kv.sh attention   (dist-b/benches.xz): the decode and prefill attention suites over a
 #       bf16 and an FP8 cache, both head shapes.
 #   fp8_kv.sh bench MODEL...   (dist-b/benches.xz): bench.py on random weights of each model's
-#       config with the bf16 cache, then FP8 (E4M3), back to back.
+#       config with the bf16 cache, then FP8 (E4M3), back to back; QUANT=fp8 with FP8 weights,
+#       KVS="auto fp8" the cache formats.
 #   fp8_kv.sh peers MODEL...   (.peerkit, installed by carrying .pk0, .pk1, .pk2 in turn and
 #       running their install.sh): vLLM 0.24's bench.py with kv_cache_dtype="fp8" on a folder of
-#       each model's config (load_format="dummy"), $VLLM_KV (default fp8; "auto" for bf16).
+#       each model's config (load_format="dummy"), $VLLM_KV (default fp8; "auto" for bf16),
+#       VLLM_QUANT=fp8 for its FP8 weights.
 # Logs go to $OUT.
 set -uo pipefail
 source "$(dirname "$0")/unpack.sh"
@@ -29,7 +34,7 @@ case "$mode" in
       --test-threads 1 2>&1 | tee "$OUT/kernels-cuda.log" | grep -E "^test |test result|panicked" | cut -c1-300
     ;;
   engine)
-    ENGINE_TEST_DEVICE=cuda timeout 500 /tmp/bin/engine fp8_kv_cache default_model --test-threads 1 \
+    ENGINE_TEST_DEVICE=cuda timeout 500 /tmp/bin/engine fp8:: default_model --test-threads 1 \
       --nocapture 2>&1 | tee "$OUT/engine-cuda.log" \
       | grep -E "^test |test result|panicked|NLL|left|right" | cut -c1-300
     ;;
@@ -37,6 +42,12 @@ case "$mode" in
     timeout 500 /tmp/bin/benches kv-accuracy --device cuda --model models/tiny-english --text "$1" \
       --positions 10000 --out "$OUT/accuracy.json" > "$OUT/accuracy.log" 2>&1
     echo "exit $?"; grep -v "^graph\|^warm" "$OUT/accuracy.log" | tail -n 16 | cut -c1-400
+    ;;
+  linear)
+    models=$(IFS=,; echo "$*")
+    timeout 400 /tmp/bin/benches linear --device cuda --linear-models "$models" --quantization fp8 \
+      --ms 1,16,64,256,1024,4096 --ours-only --out "$OUT/linear-fp8.json" > "$OUT/linear-fp8.log" 2>&1
+    echo "exit $?"; grep -E "^qwen" "$OUT/linear-fp8.log" | cut -d, -f1-8,14
     ;;
   attention)
     for kv in auto fp8; do
@@ -46,12 +57,13 @@ case "$mode" in
     done
     ;;
   bench)
+    quant=${QUANT:-none}
     for model in "$@"; do
-      for kv in auto fp8; do
-        name="nano-$model-$kv${TAG:+-$TAG}"
+      for kv in ${KVS:-auto fp8}; do
+        name="nano-$model-$kv${QUANT:+-w$QUANT}${TAG:+-$TAG}"
         echo "== $name"
         timeout 300 /tmp/bin/benches nano --device cuda --dummy "$model" --kv-cache-dtype "$kv" \
-          --out "$OUT/$name.json" > "$OUT/$name.log" 2>&1
+          --quantization "$quant" --out "$OUT/$name.json" > "$OUT/$name.log" 2>&1
         echo "exit $?"; head -n 1 "$OUT/$name.log" | cut -c1-200
         grep -E "^$model" "$OUT/$name.log" | tail -n 1 | cut -d, -f1-8,12,14-15,24
       done
@@ -67,11 +79,13 @@ case "$mode" in
       cp /tmp/peerkit-tokenizer/{tokenizer.json,tokenizer_config.json} "$dir/"
       flag=()
       [ "$kv" != auto ] && flag=(--kv-cache-dtype "$kv")
-      echo "== vLLM $model kv $kv"
+      [ -n "${VLLM_QUANT:-}" ] && flag+=(--quantization "$VLLM_QUANT")
+      name="vllm-$model-$kv${VLLM_QUANT:+-w$VLLM_QUANT}"
+      echo "== $name"
       timeout 400 python3 .peerkit/bench_peers.py --engine vllm --model "$dir" --workload bench \
-        "${flag[@]}" --out "$OUT/vllm-$model-$kv.json" > "$OUT/vllm-$model-$kv.log" 2>&1
-      echo "exit $?"; grep -E "KV cache size|output_tok" "$OUT/vllm-$model-$kv.log" | cut -c1-200
-      tail -n 2 "$OUT/vllm-$model-$kv.log" | cut -c1-300
+        "${flag[@]}" --out "$OUT/$name.json" > "$OUT/$name.log" 2>&1
+      echo "exit $?"; grep -E "KV cache size|output_tok" "$OUT/$name.log" | cut -c1-200
+      tail -n 2 "$OUT/$name.log" | cut -c1-300
     done
     ;;
 esac
