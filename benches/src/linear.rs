@@ -160,7 +160,9 @@ pub fn run(
                         None,
                         order,
                     )),
-                    Form::Plain => cubecl_kernels::fp8_linear(x.clone(), wq, b.clone(), None, order),
+                    Form::Plain => {
+                        cubecl_kernels::fp8_linear(x.clone(), wq, b.clone(), None, order)
+                    }
                     Form::Residual => cubecl_kernels::fp8_linear(
                         x.clone(),
                         wq,

@@ -25,7 +25,6 @@ pub mod server;
 
 pub use chat::chat_loop;
 pub use cubecl_kernels::{DeviceKind, KvCacheDtype};
-pub use model_qwen2::Quantization;
 pub use engine::tensor_parallel::serve_if_worker;
 pub use engine::{
     EngineConfig, EngineStats, FinishReason, GpuStep, LLMEngine, RequestId, RequestMetrics,
@@ -34,6 +33,7 @@ pub use engine::{
 pub use error::{LlmError, Result};
 pub use llm::{Completion, LLM, ParamsFor, Prompt};
 pub use model_qwen2::ChatMessage;
+pub use model_qwen2::Quantization;
 
 /// The default model: `models/tiny-english` of the source tree this crate was built from, a
 /// 7 M-parameter Qwen2 trained by `scripts/tiny-model` on public-domain English (see its

@@ -57,10 +57,10 @@ pub use config::{
     EngineConfig, TOKENS_PER_DEFAULT_SEQ, default_max_num_seqs, seqs_the_pool_serves,
 };
 pub use cubecl_kernels::{DeviceKind, KvCacheDtype};
-pub use model_qwen2::Quantization;
 pub use cuda_graph::{GraphCapture, GraphTimings, default_graph_sizes};
 pub use engine::{EngineLimits, LLMEngine};
 pub use error::{EngineError, Result};
+pub use model_qwen2::Quantization;
 pub use model_runner::{FaultHook, ModelRunner, RunnerStats};
 pub use output::{EngineStats, GpuStep, RequestMetrics, RequestOutput, StepRecord};
 pub use sampler::TokenLogprobs;

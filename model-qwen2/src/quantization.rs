@@ -73,7 +73,9 @@ impl Qwen2Model {
             })?;
         }
         // The 16-bit weights' buffers go back to the device.
-        device.sync().map_err(|e| ModelError::Input(format!("device: {e:?}")))?;
+        device
+            .sync()
+            .map_err(|e| ModelError::Input(format!("device: {e:?}")))?;
         device.memory_cleanup();
         Ok(())
     }

@@ -2,6 +2,7 @@
 
 use burn::tensor::{DType, Device, Tensor};
 use burn_cubecl::tensor::CubeTensor;
+use cubecl::zspace::metadata::Metadata;
 use cubecl::ir::{ElemType, FloatKind};
 use cubecl::prelude::*;
 
@@ -167,23 +168,33 @@ pub(crate) fn fp8_carrier(t: CubeTensor, kv_dtype: KvCacheDtype) -> CubeTensor {
     }
 }
 
-/// A contiguous [`FP8_CARRIER`] tensor (`[…, W]`) as the `U8` bytes it holds (`[…, 2·W]`).
+/// An [`FP8_CARRIER`] tensor of unit inner stride (`[…, W]`) as the `U8` bytes it holds
+/// (`[…, 2·W]`, the same row pitches in bytes).
 pub(crate) fn carrier_as_bytes(t: CubeTensor) -> CubeTensor {
-    relabel(t, |w| w * 2, DType::U8)
+    relabel(t, 2, 1, DType::U8)
 }
 
-/// A contiguous `U8` tensor of an even last dimension (`[…, W]`) as its carrier
-/// ([`FP8_CARRIER`], `[…, W / 2]`).
+/// A `U8` tensor of unit inner stride, an even last dimension and even row pitches (`[…, W]`)
+/// as its carrier ([`FP8_CARRIER`], `[…, W / 2]`).
 pub(crate) fn bytes_as_carrier(t: CubeTensor) -> CubeTensor {
-    relabel(t, |w| w / 2, FP8_CARRIER)
+    relabel(t, 1, 2, FP8_CARRIER)
 }
 
-/// The contiguous buffer of `t` seen as `dtype`, its last dimension `last(width)` long.
-fn relabel(t: CubeTensor, last: impl Fn(usize) -> usize, dtype: DType) -> CubeTensor {
+/// `t`'s buffer seen as `dtype`: the last dimension and the outer strides multiplied by `num`
+/// and divided by `den` (CUDA pitches the rows of 2-D and larger allocations: the strides keep
+/// the pitch).
+fn relabel(mut t: CubeTensor, num: usize, den: usize, dtype: DType) -> CubeTensor {
     let mut shape = t.meta.shape().clone();
     let dim = shape.num_dims() - 1;
-    shape[dim] = last(shape[dim]);
-    CubeTensor::new_contiguous(t.client, t.device, shape, t.handle, dtype)
+    shape[dim] = shape[dim] * num / den;
+    let mut strides: Vec<usize> = t.meta.strides().to_vec();
+    for s in &mut strides[..dim] {
+        *s = *s * num / den;
+    }
+    strides[dim] = 1;
+    t.meta = Box::new(Metadata::new(shape, strides));
+    t.dtype = dtype;
+    t
 }
 
 impl LayerKvCache {

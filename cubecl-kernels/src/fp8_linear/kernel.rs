@@ -2,7 +2,7 @@
 //!
 //! `quantize_rows`: one cube per row of `x [M, K]`; the units stride over the row in vectors of
 //! `NV`, reduce its largest magnitude over the cube, then write `round(x / scale)` as E4M3
-//! codes (`codes [M, K]`, one byte each, saturating) and `scale = amax / 448` (1 for a row of
+//! codes (`codes [M, K]`, one byte each, saturating, stored one at a time) and `scale = amax / 448` (1 for a row of
 //! zeros) to `scales [M]`. Each unit reads its elements twice (the second time from cache).
 //!
 //! `dequantize_rows`: one unit per vector of `NV` codes, `out[m, k] = code · scales[m]` in f32.
@@ -20,7 +20,7 @@ pub(crate) const E4M3_MAX: f32 = 448.0;
 #[cube(launch_unchecked)]
 pub(crate) fn quantize_rows<F: Float, Q: Float, NV: Size>(
     x: &Tensor<Vector<F, NV>>,
-    codes: &mut Tensor<Vector<Q, NV>>,
+    codes: &mut Tensor<Q>,
     scales: &mut Tensor<f32>,
     #[comptime] cube_dim: usize,
     #[comptime] use_plane: bool,
@@ -30,7 +30,7 @@ pub(crate) fn quantize_rows<F: Float, Q: Float, NV: Size>(
     let nv = x.vector_size();
     let k_vecs = x.shape(1) / nv;
     let at = row * (x.stride(0) / nv);
-    let out_at = row * (codes.stride(0) / nv);
+    let out_at = row * codes.stride(0);
     let units = CUBE_DIM_X as usize;
     let mut amax = 0.0f32;
     let mut i = UNIT_POS_X as usize;
@@ -50,8 +50,12 @@ pub(crate) fn quantize_rows<F: Float, Q: Float, NV: Size>(
     }
     let mut i = UNIT_POS_X as usize;
     while i < k_vecs {
-        let v = Vector::<f32, NV>::cast_from(x[at + i]) / Vector::new(scale);
-        codes[out_at + i] = Vector::<Q, NV>::cast_from(v);
+        let v = Vector::<f32, NV>::cast_from(x[at + i]);
+        // One code at a time: CUDA's vector cast to FP8 stored wrong codes (measured).
+        #[unroll]
+        for j in 0..nv {
+            codes[out_at + i * nv + j] = Q::cast_from(v.extract(j) / scale);
+        }
         i += units;
     }
     if UNIT_POS_X == 0 {

@@ -123,21 +123,28 @@ pub(crate) fn fp8_linear(
             x: &x_scales,
         };
         let invariant = order == ReductionOrder::BatchInvariant;
-        // On failure (reported once, the FP8 product then emulated on the device) the
-        // emulation below computes it.
-        if cublas_device(&xq.device, &xq.client).is_some_and(|i| {
-            gemm(
-                i,
-                &xq,
-                &w,
-                bias.as_ref(),
-                add.as_ref(),
-                &y,
-                invariant,
-                Some(scales),
-            )
-            .is_ok()
-        }) {
+        // cuBLASLt's FP8 product serves bf16 outputs here (an f32 output with per-row scale
+        // vectors was refused on the H100: CUBLAS_STATUS_INVALID_VALUE) and wants `K` and `N`
+        // in multiples of 16; other products are emulated. On failure
+        // (reported once, the FP8 product then emulated on the device) the emulation below
+        // computes it.
+        let k = xq.meta.shape()[1];
+        let shaped = dtype == DType::BF16 && k.is_multiple_of(16) && n.is_multiple_of(16);
+        if shaped
+            && cublas_device(&xq.device, &xq.client).is_some_and(|i| {
+                gemm(
+                    i,
+                    &xq,
+                    &w,
+                    bias.as_ref(),
+                    add.as_ref(),
+                    &y,
+                    invariant,
+                    Some(scales),
+                )
+                .is_ok()
+            })
+        {
             return y;
         }
     }

@@ -78,7 +78,12 @@ impl Fp8Rows {
     /// The codes (`R · C` bytes, row-major) and the scales, read back to the host.
     pub fn to_host(&self) -> (Vec<u8>, Vec<f32>) {
         let codes = self.codes.clone().into_data().as_bytes().to_vec();
-        let scales = self.scales.clone().into_data().try_to_vec::<f32>().unwrap_or_default();
+        let scales = self
+            .scales
+            .clone()
+            .into_data()
+            .try_to_vec::<f32>()
+            .unwrap_or_default();
         (codes, scales)
     }
 

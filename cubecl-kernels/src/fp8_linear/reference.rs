@@ -34,8 +34,9 @@ pub fn dequantize_rows(codes: &[u8], scales: &[f32], cols: usize) -> Vec<f32> {
 }
 
 /// `y = x · Wᵀ (+ b) (+ residual)` as [`super::fp8_linear`] defines it: `x [M, K]` quantised
-/// per row on the host, both operands dequantised to f32, the product in f32, rounded once to
-/// `x`'s dtype. Reads its operands back to the host.
+/// per row, both operands dequantised, the sums in f64 on the host (no device arithmetic that
+/// could round differently, such as TF32 products), rounded once to `x`'s dtype. Reads its
+/// operands back to the host.
 pub fn fp8_linear(
     x: Tensor<2>,
     weight: &Fp8Rows,
@@ -46,24 +47,32 @@ pub fn fp8_linear(
     let [n, _] = weight.dims();
     let device = x.device();
     let dtype = x.dtype();
-    let host = x
-        .cast(FloatDType::F32)
-        .into_data()
-        .try_to_vec::<f32>()
-        .expect("f32 data");
-    let (x_codes, x_scales) = quantize_rows(&host, m, k);
-    let (w_codes, w_scales) = weight.to_host();
-    let f32_tensor = |values: Vec<f32>, shape: [usize; 2]| {
-        Tensor::<2>::from_data(TensorData::new(values, shape), (&device, DType::F32))
+    let host = |t: Tensor<2>| -> Vec<f32> {
+        t.cast(FloatDType::F32)
+            .into_data()
+            .try_to_vec::<f32>()
+            .expect("f32 data")
     };
-    let xd = f32_tensor(dequantize_rows(&x_codes, &x_scales, k), [m, k]);
-    let wd = f32_tensor(dequantize_rows(&w_codes, &w_scales, k), [n, k]);
-    let mut y = xd.matmul(wd.transpose());
-    if let Some(b) = bias {
-        y = y + b.cast(FloatDType::F32).unsqueeze::<2>();
+    let (x_codes, x_scales) = quantize_rows(&host(x), m, k);
+    let (w_codes, w_scales) = weight.to_host();
+    let xd = dequantize_rows(&x_codes, &x_scales, k);
+    let wd = dequantize_rows(&w_codes, &w_scales, k);
+    let bias = bias.map(|b| host(b.unsqueeze::<2>()));
+    let residual = residual.map(host);
+    let mut y = vec![0.0f32; m * n];
+    for i in 0..m {
+        for j in 0..n {
+            let mut sum: f64 = (0..k)
+                .map(|c| xd[i * k + c] as f64 * wd[j * k + c] as f64)
+                .sum();
+            if let Some(b) = &bias {
+                sum += b[j] as f64;
+            }
+            if let Some(r) = &residual {
+                sum += r[i * n + j] as f64;
+            }
+            y[i * n + j] = sum as f32;
+        }
     }
-    if let Some(r) = residual {
-        y = y + r.cast(FloatDType::F32);
-    }
-    y.cast(dtype)
+    Tensor::<2>::from_data(TensorData::new(y, [m, n]), (&device, DType::F32)).cast(dtype)
 }

@@ -429,7 +429,7 @@ impl Call {
         let plan = match plans.entry(key) {
             std::collections::hash_map::Entry::Occupied(e) => e.into_mut(),
             std::collections::hash_map::Entry::Vacant(e) => {
-                e.insert(Plan::new(handle, &key, types)?)
+                e.insert(Plan::new(handle, &key, types, scales)?)
             }
         };
         let alpha = 1.0f32;

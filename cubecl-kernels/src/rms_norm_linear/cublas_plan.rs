@@ -68,6 +68,7 @@ impl Plan {
         handle: sys::cublasLtHandle_t,
         key: &PlanKey,
         [in_type, out_type]: [sys::cudaDataType; 2],
+        fp8_scales: [u64; 2],
     ) -> Result<Self, String> {
         let err = |what: &str, e: &dyn std::fmt::Debug| format!("{what}: {e:?}");
         let (m, n, k) = (key.m as u64, key.n as u64, key.k as u64);
@@ -79,8 +80,7 @@ impl Plan {
         .map_err(|e| err("matmul descriptor", &e))?;
         let typed = |data_type| {
             move |rows, cols, ld| {
-                lt::create_matrix_layout(data_type, rows, cols, ld)
-                    .map_err(|e| err("layout", &e))
+                lt::create_matrix_layout(data_type, rows, cols, ld).map_err(|e| err("layout", &e))
             }
         };
         let (operand, layout) = (typed(in_type), typed(out_type));
@@ -120,6 +120,12 @@ impl Plan {
                         as i32;
                 set_desc(desc, A::CUBLASLT_MATMUL_DESC_A_SCALE_MODE, &vector)?;
                 set_desc(desc, A::CUBLASLT_MATMUL_DESC_B_SCALE_MODE, &vector)?;
+                // The heuristic refuses scale vectors without their addresses
+                // (CUBLAS_STATUS_INVALID_VALUE on the H100): the first call's, replaced by each
+                // call's own.
+                let [w, x] = fp8_scales.map(|p| p as *const std::ffi::c_void);
+                set_desc(desc, A::CUBLASLT_MATMUL_DESC_A_SCALE_POINTER, &w)?;
+                set_desc(desc, A::CUBLASLT_MATMUL_DESC_B_SCALE_POINTER, &x)?;
             }
             let pref = lt::create_matmul_pref().map_err(|e| err("preference", &e))?;
             use sys::cublasLtMatmulPreferenceAttributes_t as P;

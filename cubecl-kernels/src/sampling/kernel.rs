@@ -80,7 +80,11 @@ pub fn uniform(row_key: u32, i: u32) -> f32 {
 
 /// Largest of `value` over the cube, returned to every unit (`scratch`: one slot per unit).
 #[cube]
-pub(crate) fn cube_max(value: f32, scratch: &mut Shared<[f32]>, #[comptime] use_plane: bool) -> f32 {
+pub(crate) fn cube_max(
+    value: f32,
+    scratch: &mut Shared<[f32]>,
+    #[comptime] use_plane: bool,
+) -> f32 {
     let parts = if comptime!(use_plane) {
         CUBE_DIM_X / PLANE_DIM
     } else {

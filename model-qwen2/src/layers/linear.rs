@@ -74,13 +74,9 @@ impl Linear {
     pub fn product_add(&self, x: Tensor<2>, residual: Tensor<2>) -> Tensor<2> {
         match self.fp8_weight() {
             Some(w) => cubecl_kernels::fp8_linear(x, &w, None, Some(residual), self.order),
-            None => cubecl_kernels::linear_add_ordered(
-                x,
-                self.weight.val(),
-                None,
-                residual,
-                self.order,
-            ),
+            None => {
+                cubecl_kernels::linear_add_ordered(x, self.weight.val(), None, residual, self.order)
+            }
         }
     }
 
