@@ -21,7 +21,8 @@
 #   fp8_kv.sh peers MODEL...   (.peerkit, installed by carrying .pk0, .pk1, .pk2 in turn and
 #       running their install.sh): vLLM 0.24's bench.py with kv_cache_dtype="fp8" on a folder of
 #       each model's config (load_format="dummy"), $VLLM_KV (default fp8; "auto" for bf16),
-#       VLLM_QUANT=fp8 for its FP8 weights.
+#       VLLM_QUANT=fp8 for its FP8 weights (with scripts/device/vllm_stub/ on its path: the kit
+#       lacks compressed_tensors, which vLLM imports for any quantization).
 # Logs go to $OUT.
 set -uo pipefail
 source "$(dirname "$0")/unpack.sh"
@@ -79,7 +80,9 @@ case "$mode" in
       cp /tmp/peerkit-tokenizer/{tokenizer.json,tokenizer_config.json} "$dir/"
       flag=()
       [ "$kv" != auto ] && flag=(--kv-cache-dtype "$kv")
-      [ -n "${VLLM_QUANT:-}" ] && flag+=(--quantization "$VLLM_QUANT")
+      # vLLM's quantization registry imports compressed_tensors, which the kit lacks: a stub.
+      [ -n "${VLLM_QUANT:-}" ] && flag+=(--quantization "$VLLM_QUANT") \
+        && cp scripts/device/vllm_stub/{ct_stub,sitecustomize}.py /tmp/site/
       name="vllm-$model-$kv${VLLM_QUANT:+-w$VLLM_QUANT}"
       echo "== $name"
       timeout 400 python3 .peerkit/bench_peers.py --engine vllm --model "$dir" --workload bench \

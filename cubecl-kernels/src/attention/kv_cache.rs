@@ -2,9 +2,9 @@
 
 use burn::tensor::{DType, Device, Tensor};
 use burn_cubecl::tensor::CubeTensor;
-use cubecl::zspace::metadata::Metadata;
 use cubecl::ir::{ElemType, FloatKind};
 use cubecl::prelude::*;
+use cubecl::zspace::metadata::Metadata;
 
 use crate::KernelError;
 

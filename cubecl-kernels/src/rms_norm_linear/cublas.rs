@@ -201,10 +201,11 @@ enum Failure {
 /// `y [M, N]`, `add [M, N]` of one dtype (f32, f16 or bf16) with unit inner strides, `bias [N]`.
 /// `invariant`: the algorithm is the one chosen for this weight at
 /// [`INVARIANT_REFERENCE_ROWS`] rows, without split-K and never timed, whatever `M`
-/// ([`crate::ReductionOrder::BatchInvariant`]). On failure nothing was enqueued and the error is
-/// returned, so that the caller can take another path; a failure of cuBLASLt itself also marks
-/// the device unusable (with the reason, printed once).
-#[allow(clippy::too_many_arguments)]
+/// ([`crate::ReductionOrder::BatchInvariant`]). With `fp8`, `x` and `w` are E4M3 codes (`U8`)
+/// and the product is scaled by their scale vectors (`crate::fp8_linear`). On failure nothing
+/// was enqueued and the error is returned, so that the caller can take another path; a failure
+/// of cuBLASLt itself also marks the device unusable (of the FP8 product only, with `fp8`; with
+/// the reason, printed once).
 #[allow(clippy::too_many_arguments)]
 pub(crate) fn gemm(
     index: usize,

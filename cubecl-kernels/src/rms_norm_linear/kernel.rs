@@ -19,6 +19,8 @@
 
 use cubecl::prelude::*;
 
+use crate::attention::kv_cache::load_f32;
+
 /// Launch-time choices of [`linear_skinny`].
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub struct SkinnyConfig {
@@ -36,6 +38,9 @@ pub struct SkinnyConfig {
     pub has_add: bool,
     /// Reduce with plane (warp) sums; otherwise through shared memory only.
     pub use_plane: bool,
+    /// `x` and `W` hold E4M3 codes (`X` an FP8 type) quantised per row: each dot product is
+    /// multiplied by `x_scales[m] · w_scales[n]` (`crate::fp8_linear`); no norm.
+    pub fp8: bool,
 }
 
 /// Launch-time choices of [`linear_tiled`].
@@ -252,18 +257,24 @@ pub fn rms_norm_rows<F: Float, NV: Size>(
 /// Grid: `ceil(N / rows)` cubes; cube: `cube_dim` units. Units stride over `K` in vectors of `NV`
 /// elements; for each tile of `m_tile` input rows every unit keeps `m_tile × rows` f32 partial
 /// sums in registers, which plane sums (or shared memory) reduce; the units then share the
-/// `m_tile × rows` outputs, add the bias (and `add [M, N]`) and write. The weight rows of a cube stay in L1 across the `M` tiles.
+/// `m_tile × rows` outputs, add the bias (and `add [M, N]`) and write. The weight rows of a cube
+/// stay in L1 across the `M` tiles. `x` and `W` are stored as `X`: `F`, or with
+/// [`SkinnyConfig::fp8`] E4M3 codes decoded exactly to f32 as they are loaded
+/// (`attention::kv_cache::load_f32`), scaled by `x_scales [M]` and `w_scales [N]` at the end.
 #[cube(launch_unchecked)]
-pub fn linear_skinny<F: Float, NV: Size>(
-    x: &Tensor<Vector<F, NV>>,
+#[allow(clippy::too_many_arguments)]
+pub fn linear_skinny<F: Float, X: Float, NV: Size>(
+    x: &Tensor<Vector<X, NV>>,
     inv_rms: &Tensor<f32>,
     gamma: &Tensor<Vector<F, NV>>,
-    w: &Tensor<Vector<F, NV>>,
+    w: &Tensor<Vector<X, NV>>,
+    x_scales: &Tensor<f32>,
+    w_scales: &Tensor<f32>,
     bias: &Tensor<F>,
     add: &Tensor<F>,
     out: &mut Tensor<F>,
     #[comptime] cfg: SkinnyConfig,
-    #[define(F)] _dtype: ElemType,
+    #[define(F, X)] _dtypes: [ElemType; 2],
 ) {
     let nv = w.vector_size();
     let k_vecs = w.shape(1) / nv;
@@ -300,12 +311,12 @@ pub fn linear_skinny<F: Float, NV: Size>(
             #[unroll]
             for mi in 0..cfg.m_tile {
                 let m = select(m0 + mi < m_total, m0 + mi, m_total - 1);
-                xs[mi] = Vector::<f32, NV>::cast_from(x[m * x_pitch + kv]) * g;
+                xs[mi] = loaded::<X, NV>(x[m * x_pitch + kv], cfg.fp8) * g;
             }
             #[unroll]
             for r in 0..cfg.rows {
                 let n = select(n0 + r < n_total, n0 + r, n_total - 1);
-                let wv = Vector::<f32, NV>::cast_from(w[n * w_pitch + kv]);
+                let wv = loaded::<X, NV>(w[n * w_pitch + kv], cfg.fp8);
                 #[unroll]
                 for mi in 0..cfg.m_tile {
                     let xv = xs[mi];
@@ -343,6 +354,9 @@ pub fn linear_skinny<F: Float, NV: Size>(
                 if comptime!(cfg.has_norm) {
                     s *= inv_rms[m];
                 }
+                if comptime!(cfg.fp8) {
+                    s *= x_scales[m] * w_scales[n];
+                }
                 if comptime!(cfg.has_bias) {
                     s += f32::cast_from(bias[n]);
                 }
@@ -356,6 +370,16 @@ pub fn linear_skinny<F: Float, NV: Size>(
         }
         sync_cube();
         m0 += cfg.m_tile;
+    }
+}
+
+/// An operand vector of [`linear_skinny`] as f32: E4M3 codes decoded, others cast.
+#[cube]
+fn loaded<X: Float, NV: Size>(v: Vector<X, NV>, #[comptime] fp8: bool) -> Vector<f32, NV> {
+    if comptime!(fp8) {
+        load_f32(v, crate::attention::KvCacheDtype::Fp8E4M3)
+    } else {
+        Vector::<f32, NV>::cast_from(v)
     }
 }
 

@@ -321,6 +321,7 @@ pub(crate) fn fused_linear(
             has_bias,
             has_add,
             use_plane: caps.plane_ops,
+            fp8: false,
         };
         // SAFETY: weight rows are clamped to `N - 1` and input rows to `M - 1` for loads;
         // writes are bounds-checked; `K` is a multiple of the vector size.
@@ -331,14 +332,17 @@ pub(crate) fn fused_linear(
                 CubeDim::new_1d(cfg.cube_dim as u32),
                 vec,
                 h.clone().into_tensor_arg(),
-                inv_rms.into_tensor_arg(),
+                inv_rms.clone().into_tensor_arg(),
                 gamma.into_tensor_arg(),
                 w.into_tensor_arg(),
+                // The FP8 scales: placeholders, never read (`cfg.fp8` off).
+                inv_rms.clone().into_tensor_arg(),
+                inv_rms.into_tensor_arg(),
                 bias.into_tensor_arg(),
                 add.clone().into_tensor_arg(),
                 out.clone().into_tensor_arg(),
                 cfg,
-                dtype_to_storage_type(dtype),
+                [dtype_to_storage_type(dtype); 2],
             );
         }
     } else {

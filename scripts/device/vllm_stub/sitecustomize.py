@@ -1,0 +1,1 @@
+import ct_stub  # noqa: F401
