@@ -65,6 +65,7 @@ mod device;
 mod device_caps;
 mod device_read;
 mod error;
+mod fp8_codes;
 pub mod fp8_linear;
 mod gpu_timeline;
 mod host_upload;

@@ -7,6 +7,7 @@ use cubecl::prelude::*;
 use cubecl::zspace::metadata::Metadata;
 
 use crate::KernelError;
+use crate::fp8_codes::decode_f32;
 
 /// Paged key/value storage of one attention layer, allocated once and written in place.
 ///
@@ -96,16 +97,6 @@ impl KvCacheDtype {
             Self::Auto => None,
             Self::Fp8E4M3 => Some(448.0),
             Self::Fp8E5M2 => Some(57344.0),
-        }
-    }
-
-    /// Where an FP8 code's exponent and mantissa land in an f32's bits (shifted left by this),
-    /// and the factor that then corrects the exponent bias (2^(127 − bias)): see
-    /// [`load_f32`].
-    fn f32_placement(self) -> (u32, f32) {
-        match self {
-            Self::Fp8E5M2 => (21, 2f32.powi(112)),
-            _ => (20, 2f32.powi(120)),
         }
     }
 
@@ -346,22 +337,14 @@ pub(crate) fn head_scales(
     (ks, vs)
 }
 
-/// A cache vector as f32. FP8 codes are decoded by placing their sign, exponent and mantissa in
-/// an f32's bits and scaling by 2^(127 − bias), exact for every finite code, subnormals
-/// included (the KV write saturates, so no NaN is stored): CubeCL's LLVM route lowers FP8 casts
-/// to a generic software conversion about four times as long, which made FP8 decode attention
-/// slower than bf16 (docs/BENCHMARKS.md). Other caches are cast.
+/// A cache vector as f32: FP8 codes decoded exactly (`crate::fp8_codes`), others cast.
 #[cube]
 pub(crate) fn load_f32<KV: Float, NV: Size>(
     x: Vector<KV, NV>,
     #[comptime] kv: KvCacheDtype,
 ) -> Vector<f32, NV> {
     if comptime!(kv.is_fp8()) {
-        let (shift, factor) = comptime!(kv.f32_placement());
-        let b = Vector::<u32, NV>::cast_from(Vector::<u8, NV>::reinterpret(x));
-        let sign = (b & Vector::new(0x80u32)) << Vector::new(24u32);
-        let rest = (b & Vector::new(0x7Fu32)) << Vector::new(shift);
-        Vector::<f32, NV>::reinterpret(sign | rest) * Vector::new(factor)
+        decode_f32(x, comptime!(kv == KvCacheDtype::Fp8E5M2))
     } else {
         Vector::<f32, NV>::cast_from(x)
     }

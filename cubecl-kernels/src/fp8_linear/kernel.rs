@@ -9,8 +9,7 @@
 
 use cubecl::prelude::*;
 
-use crate::attention::KvCacheDtype;
-use crate::attention::kv_cache::load_f32;
+use crate::fp8_codes::decode_f32;
 use crate::sampling::kernel::cube_max;
 
 /// The largest finite E4M3 value: a row's largest magnitude maps to it.
@@ -77,10 +76,7 @@ pub(crate) fn dequantize_rows<Q: Float, NV: Size>(
     if i < codes.shape(0) * k_vecs {
         let row = i / k_vecs;
         let col = i % k_vecs;
-        let v = load_f32(
-            codes[row * (codes.stride(0) / nv) + col],
-            comptime!(KvCacheDtype::Fp8E4M3),
-        );
+        let v = decode_f32(codes[row * (codes.stride(0) / nv) + col], false);
         let at = row * (out.stride(0) / nv) + col;
         out[at] = v * Vector::new(scales[row]);
     }

@@ -179,21 +179,10 @@ fn check_args(
     bias: Option<&Tensor<1>>,
     residual: Option<&Tensor<2>>,
 ) -> Result<(), KernelError> {
-    let [m, k] = x.dims();
-    let [n, wk] = weight.dims();
+    let m = x.dims()[0];
+    let n = weight.dims()[0];
     let dtype = x.dtype();
-    if !matches!(dtype, DType::F32 | DType::F16 | DType::BF16) {
-        return Err(KernelError::invalid(format!(
-            "x has dtype {dtype:?}; expected f32, f16 or bf16"
-        )));
-    }
-    if wk != k {
-        return Err(KernelError::invalid(format!(
-            "weight has shape {:?}; expected [N, {k}] for x of shape {:?}",
-            weight.dims(),
-            x.dims()
-        )));
-    }
+    crate::rms_norm_linear::check_x_and_weight(x, weight.dims())?;
     if weight.codes.dtype() != FP8_CARRIER || weight.scales.dtype() != DType::F32 {
         return Err(KernelError::invalid(format!(
             "weight codes have dtype {:?} and scales {:?}; expected {FP8_CARRIER:?} and F32",

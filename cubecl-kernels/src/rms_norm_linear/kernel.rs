@@ -19,7 +19,7 @@
 
 use cubecl::prelude::*;
 
-use crate::attention::kv_cache::load_f32;
+use crate::fp8_codes::decode_f32;
 
 /// Launch-time choices of [`linear_skinny`].
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
@@ -260,7 +260,7 @@ pub fn rms_norm_rows<F: Float, NV: Size>(
 /// `m_tile × rows` outputs, add the bias (and `add [M, N]`) and write. The weight rows of a cube
 /// stay in L1 across the `M` tiles. `x` and `W` are stored as `X`: `F`, or with
 /// [`SkinnyConfig::fp8`] E4M3 codes decoded exactly to f32 as they are loaded
-/// (`attention::kv_cache::load_f32`), scaled by `x_scales [M]` and `w_scales [N]` at the end.
+/// (`crate::fp8_codes`), scaled by `x_scales [M]` and `w_scales [N]` at the end.
 #[cube(launch_unchecked)]
 #[allow(clippy::too_many_arguments)]
 pub fn linear_skinny<F: Float, X: Float, NV: Size>(
@@ -377,7 +377,7 @@ pub fn linear_skinny<F: Float, X: Float, NV: Size>(
 #[cube]
 fn loaded<X: Float, NV: Size>(v: Vector<X, NV>, #[comptime] fp8: bool) -> Vector<f32, NV> {
     if comptime!(fp8) {
-        load_f32(v, crate::attention::KvCacheDtype::Fp8E4M3)
+        decode_f32(v, false)
     } else {
         Vector::<f32, NV>::cast_from(v)
     }

@@ -296,20 +296,9 @@ pub fn check_args(
     bias: Option<&Tensor<1>>,
 ) -> Result<(), KernelError> {
     let [_, k] = x.dims();
-    let [n, wk] = weight.dims();
+    let n = weight.dims()[0];
     let dtype = x.dtype();
-    if !matches!(dtype, DType::F32 | DType::F16 | DType::BF16) {
-        return Err(KernelError::invalid(format!(
-            "x has dtype {dtype:?}; expected f32, f16 or bf16"
-        )));
-    }
-    if wk != k {
-        return Err(KernelError::invalid(format!(
-            "weight has shape {:?}; expected [N, {k}] for x of shape {:?}",
-            weight.dims(),
-            x.dims()
-        )));
-    }
+    check_x_and_weight(x, weight.dims())?;
     let same = |name: &str, d: DType| {
         if d == dtype {
             Ok(())
@@ -347,6 +336,24 @@ pub fn check_args(
             )));
         }
         same("bias", b.dtype())?;
+    }
+    Ok(())
+}
+
+/// Checks `x [M, K]` (f32, f16 or bf16) against a weight of shape `weight [N, K]`.
+pub(crate) fn check_x_and_weight(x: &Tensor<2>, weight: [usize; 2]) -> Result<(), KernelError> {
+    let [_, k] = x.dims();
+    let dtype = x.dtype();
+    if !matches!(dtype, DType::F32 | DType::F16 | DType::BF16) {
+        return Err(KernelError::invalid(format!(
+            "x has dtype {dtype:?}; expected f32, f16 or bf16"
+        )));
+    }
+    if weight[1] != k {
+        return Err(KernelError::invalid(format!(
+            "weight has shape {weight:?}; expected [N, {k}] for x of shape {:?}",
+            x.dims()
+        )));
     }
     Ok(())
 }
