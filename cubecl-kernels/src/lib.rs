@@ -34,7 +34,7 @@
 //! | [`silu_mul()`] | `gate_up [T, 2·I]` → `silu(gate)·up [T, I]`, optionally completing a deferred RMSNorm row scale |
 //! | [`linear_add`] | `x [M, K]`, `W [N, K]`, `b [N]`, `residual [M, N]` → `x·Wᵀ + b + residual` |
 //! | [`Fp8Rows::quantize`] | `x [R, C]` → E4M3 codes `[R, C]` (carried as `[R, C/2]` f16) and scales `[R]`, row by row |
-//! | [`fp8_linear`] | `x [M, K]`, FP8 `W [N, K]`, `b [N]`, `residual [M, N]` → `x·Wᵀ + b + residual`, `x` quantised per row |
+//! | [`fp8_linear()`] | `x [M, K]`, FP8 `W [N, K]`, `b [N]`, `residual [M, N]` → `x·Wᵀ + b + residual`, `x` quantised per row |
 //! | [`paged_attention`] | `q [T, heads, d]` over each sequence's cached context → `[T, heads, d]` |
 //! | [`sample`] | `logits [B, V]` (f32) → next tokens `[B]` (greedy, or seeded min-p/top-k/top-p draws) |
 //! | [`mask_logits`] | `logits [B, V]` (f32), `M` token bitmasks `[M, ⌈V/32⌉]` (u32) of rows `[M]` → disallowed tokens −∞, in place |

@@ -15,7 +15,7 @@ pub enum Quantization {
     None,
     /// FP8 E4M3 weights with one scale per output feature, quantised from the 16-bit
     /// checkpoint at load; activations quantised per token on the fly
-    /// ([`cubecl_kernels::fp8_linear`]). The layers' q/k/v, o, gate/up and down products; the
+    /// ([`cubecl_kernels::fp8_linear()`]). The layers' q/k/v, o, gate/up and down products; the
     /// embedding and the LM head stay in the model's dtype.
     #[serde(rename = "fp8")]
     Fp8,

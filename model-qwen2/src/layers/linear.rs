@@ -8,7 +8,7 @@ use cubecl_kernels::{Fp8Rows, KernelError, ReductionOrder};
 /// `bias [out]`. Quantised to FP8 ([`Self::quantize_fp8`]), `weight` holds the E4M3 codes of
 /// `[out, in]` (carried as `[out, in / 2]` f16: [`cubecl_kernels::Fp8Rows`]) and `fp8_scales`
 /// their scale per output feature; the products then quantise their input per row and run
-/// [`cubecl_kernels::fp8_linear`].
+/// [`cubecl_kernels::fp8_linear()`].
 #[derive(Module, Debug)]
 pub struct Linear {
     /// `[out, in]` (FP8: the codes' carrier, `[out, in / 2]`).
