@@ -21,14 +21,12 @@ use super::kernel::{dequantize_rows as dequantize_kernel, quantize_rows as quant
 use crate::attention::kv_cache::carrier_as_bytes;
 use crate::device_caps::DeviceCaps;
 use crate::knobs::Knobs;
-use crate::rms_norm_linear::kernel::{SkinnyConfig, linear_skinny};
+use crate::rms_norm_linear::kernel::SkinnyConfig;
+use crate::rms_norm_linear::launch::{SkinnyOperands, launch_skinny, skinny_config};
 use crate::{ReductionOrder, unit_inner_stride, vector_size};
 
 /// The element the kernels read and write codes as.
 const E4M3: ElemType = ElemType::Float(FloatKind::E4M3);
-
-/// Input rows per register tile of the skinny kernel.
-const SKINNY_TILE_M: usize = 8;
 
 /// Largest `M` whose product takes the skinny kernel (`BURN_NANOVLLM_SKINNY_MAX_M` overrides
 /// it, as for 16-bit weights). Measured on the H100 over Qwen2.5-7B's products: at one row the
@@ -42,7 +40,8 @@ const MAX_QUANTIZE_UNITS: usize = 1024;
 /// Units per cube of `dequantize_rows`.
 const DEQUANTIZE_CUBE: usize = 256;
 
-/// `x [R, C]` → its codes (`U8 [R, C]`, contiguous) and scales (`[R]` f32).
+/// `x [R, C]` → its codes (`U8 [R, C]`, unit inner stride, rows as the device pitches them)
+/// and scales (`[R]` f32).
 pub(crate) fn quantize_rows(x: CubeTensor) -> (CubeTensor, CubeTensor) {
     let x = unit_inner_stride(x);
     let [r, c] = [x.meta.shape()[0], x.meta.shape()[1]];
@@ -96,9 +95,14 @@ fn dequantize_rows(codes: &CubeTensor, scales: &CubeTensor) -> CubeTensor {
     if r == 0 || c == 0 {
         return out;
     }
-    let vec = vector_size(DType::F32, &[c]);
+    // The vector divides the rows and both row pitches (CUDA pitches 2-D allocations).
+    let vec = vector_size(
+        DType::F32,
+        &[c, codes.meta.strides()[0], out.meta.strides()[0]],
+    );
     let cubes = (r * c / vec).div_ceil(DEQUANTIZE_CUBE);
-    // SAFETY: units past the `R · C / vec` vectors do nothing; both tensors are contiguous.
+    // SAFETY: units past the `R · C / vec` vectors do nothing; each row is addressed through
+    // its tensor's pitch, a multiple of the vector.
     unsafe {
         dequantize_kernel::launch_unchecked(
             &codes.client,
@@ -217,43 +221,25 @@ fn skinny(
     let n = w.meta.shape()[0];
     let client = xq.client.clone();
     let y = empty_device_dtype(client.clone(), xq.device.clone(), Shape::new([m, n]), dtype);
-    let caps = DeviceCaps::of(&client);
     let cfg = SkinnyConfig {
-        rows: 4,
-        m_tile: m.min(SKINNY_TILE_M),
-        cube_dim: caps.cube_units,
-        has_norm: false,
         has_bias: bias.is_some(),
         has_add: add.is_some(),
-        use_plane: caps.plane_ops,
         fp8: true,
+        ..skinny_config(m, &DeviceCaps::of(&client))
     };
     let vec = vector_size(DType::U8, &[k, xq.meta.strides()[0], w.meta.strides()[0]]);
-    // Absent operands are bound to `y` and never read (comptime flags).
-    let (bias, add) = (
-        bias.unwrap_or_else(|| y.clone()),
-        add.unwrap_or_else(|| y.clone()),
-    );
-    // SAFETY: weight rows are clamped to `N - 1` and input rows to `M - 1` for loads; writes
-    // are bounds-checked; `K` and the row pitches are multiples of the vector.
-    unsafe {
-        linear_skinny::launch_unchecked(
-            &client,
-            CubeCount::Static(n.div_ceil(cfg.rows) as u32, 1, 1),
-            CubeDim::new_1d(cfg.cube_dim as u32),
-            vec,
-            xq.clone().into_tensor_arg(),
-            x_scales.clone().into_tensor_arg(),
-            y.clone().into_tensor_arg(),
-            w.clone().into_tensor_arg(),
-            x_scales.clone().into_tensor_arg(),
-            w_scales.clone().into_tensor_arg(),
-            bias.into_tensor_arg(),
-            add.into_tensor_arg(),
-            y.clone().into_tensor_arg(),
-            cfg,
-            [dtype_to_storage_type(dtype), E4M3],
-        );
-    }
+    // Absent operands (and the norm's, never applied here) are bound to `y` and never read.
+    let placeholder = || y.clone();
+    let operands = SkinnyOperands {
+        x: xq.clone(),
+        inv_rms: x_scales.clone(),
+        gamma: placeholder(),
+        w: w.clone(),
+        scales: [x_scales.clone(), w_scales.clone()],
+        bias: bias.unwrap_or_else(placeholder),
+        add: add.unwrap_or_else(placeholder),
+        out: y.clone(),
+    };
+    launch_skinny(operands, cfg, vec, [dtype_to_storage_type(dtype), E4M3]);
     y
 }

@@ -93,14 +93,9 @@ pub(crate) struct Fp8Scales<'a> {
 /// `index`: cuBLASLt unavailable, a device of compute capability below 8.9 (no FP8 tensor
 /// cores), or an earlier failure of the FP8 product there. `None`: it does, or may.
 pub(crate) fn fp8_unavailable_reason(index: usize) -> Option<String> {
-    if let Some(reason) = cublas_unavailable_reason(index) {
-        return Some(format!("cuBLASLt: {reason}"));
+    if let Some(reason) = fp8_off_reason(index) {
+        return Some(reason);
     }
-    let off = FP8_OFF.lock().unwrap_or_else(|e| e.into_inner());
-    if let Some((_, reason)) = off.iter().find(|(i, _)| *i == index) {
-        return Some(reason.clone());
-    }
-    drop(off);
     match compute_capability(index) {
         Ok((major, minor)) if (major, minor) >= (8, 9) => None,
         Ok((major, minor)) => Some(format!(
@@ -109,6 +104,19 @@ pub(crate) fn fp8_unavailable_reason(index: usize) -> Option<String> {
         )),
         Err(e) => Some(format!("cuda:{index}: {e}")),
     }
+}
+
+/// Why the FP8 product is off on CUDA device `index` (cuBLASLt unavailable, or an earlier
+/// failure of the FP8 product there), without asking the driver: what each product checks
+/// (a device without FP8 tensor cores fails its first product and is marked here).
+fn fp8_off_reason(index: usize) -> Option<String> {
+    if let Some(reason) = cublas_unavailable_reason(index) {
+        return Some(format!("cuBLASLt: {reason}"));
+    }
+    let off = FP8_OFF.lock().unwrap_or_else(|e| e.into_inner());
+    off.iter()
+        .find(|(i, _)| *i == index)
+        .map(|(_, reason)| reason.clone())
 }
 
 /// The compute capability `(major, minor)` of CUDA device `index`.
@@ -218,7 +226,7 @@ pub(crate) fn gemm(
     fp8: Option<Fp8Scales<'_>>,
 ) -> Result<(), String> {
     if fp8.is_some()
-        && let Some(reason) = fp8_unavailable_reason(index)
+        && let Some(reason) = fp8_off_reason(index)
     {
         return Err(reason);
     }

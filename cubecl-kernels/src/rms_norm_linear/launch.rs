@@ -314,37 +314,24 @@ pub(crate) fn fused_linear(
     if route == LinearRoute::Skinny {
         let vec = vector_size(dtype, &[k, h.meta.strides()[0], w.meta.strides()[0]]);
         let cfg = SkinnyConfig {
-            rows: 4,
-            m_tile: m.min(SKINNY_TILE_M),
-            cube_dim: caps.cube_units,
             has_norm,
             has_bias,
             has_add,
-            use_plane: caps.plane_ops,
-            fp8: false,
+            ..skinny_config(m, &caps)
         };
-        // SAFETY: weight rows are clamped to `N - 1` and input rows to `M - 1` for loads;
-        // writes are bounds-checked; `K` is a multiple of the vector size.
-        unsafe {
-            linear_skinny::launch_unchecked(
-                &client,
-                CubeCount::Static(n.div_ceil(cfg.rows) as u32, 1, 1),
-                CubeDim::new_1d(cfg.cube_dim as u32),
-                vec,
-                h.clone().into_tensor_arg(),
-                inv_rms.clone().into_tensor_arg(),
-                gamma.into_tensor_arg(),
-                w.into_tensor_arg(),
-                // The FP8 scales: placeholders, never read (`cfg.fp8` off).
-                inv_rms.clone().into_tensor_arg(),
-                inv_rms.into_tensor_arg(),
-                bias.into_tensor_arg(),
-                add.clone().into_tensor_arg(),
-                out.clone().into_tensor_arg(),
-                cfg,
-                [dtype_to_storage_type(dtype); 2],
-            );
-        }
+        // The FP8 scales are placeholders, never read (`cfg.fp8` off).
+        let scales = [inv_rms.clone(), inv_rms.clone()];
+        let operands = SkinnyOperands {
+            x: h.clone(),
+            inv_rms,
+            gamma,
+            w,
+            scales,
+            bias,
+            add: add.clone(),
+            out: out.clone(),
+        };
+        launch_skinny(operands, cfg, vec, [dtype_to_storage_type(dtype); 2]);
     } else {
         // Each unit owns a 4×4 register tile: 8 × 16 units on GPUs, a 1 × units row on CPUs.
         let (bm, bn) = if caps.cube_units >= 128 {
@@ -386,6 +373,68 @@ pub(crate) fn fused_linear(
         }
     }
     (out, h)
+}
+
+/// [`linear_skinny`]'s settings for `m` input rows on a device of `caps`: no optional operand,
+/// 16-bit operands (the caller sets its flags).
+pub(crate) fn skinny_config(m: usize, caps: &DeviceCaps) -> SkinnyConfig {
+    SkinnyConfig {
+        rows: 4,
+        m_tile: m.min(SKINNY_TILE_M),
+        cube_dim: caps.cube_units,
+        has_norm: false,
+        has_bias: false,
+        has_add: false,
+        use_plane: caps.plane_ops,
+        fp8: false,
+    }
+}
+
+/// The tensors of a [`linear_skinny`] launch; those `cfg` leaves off are placeholders (any
+/// tensor of the right element type), never read.
+pub(crate) struct SkinnyOperands {
+    pub(crate) x: CubeTensor,
+    pub(crate) inv_rms: CubeTensor,
+    pub(crate) gamma: CubeTensor,
+    pub(crate) w: CubeTensor,
+    /// `x`'s and `W`'s FP8 scales (`[M]`, `[N]` f32).
+    pub(crate) scales: [CubeTensor; 2],
+    pub(crate) bias: CubeTensor,
+    pub(crate) add: CubeTensor,
+    pub(crate) out: CubeTensor,
+}
+
+/// Launches [`linear_skinny`]: one cube of `cfg.cube_dim` units per `cfg.rows` output features,
+/// vectors of `vec` operand elements; `dtypes`: the output's and the operands' storage.
+pub(crate) fn launch_skinny(
+    t: SkinnyOperands,
+    cfg: SkinnyConfig,
+    vec: usize,
+    dtypes: [cubecl::ir::ElemType; 2],
+) {
+    let n = t.w.meta.shape()[0];
+    let [x_scales, w_scales] = t.scales;
+    // SAFETY: weight rows are clamped to `N - 1` and input rows to `M - 1` for loads; writes
+    // are bounds-checked; `K` and the row pitches are multiples of the vector (callers' `vec`).
+    unsafe {
+        linear_skinny::launch_unchecked(
+            &t.out.client,
+            CubeCount::Static(n.div_ceil(cfg.rows) as u32, 1, 1),
+            CubeDim::new_1d(cfg.cube_dim as u32),
+            vec,
+            t.x.into_tensor_arg(),
+            t.inv_rms.into_tensor_arg(),
+            t.gamma.into_tensor_arg(),
+            t.w.into_tensor_arg(),
+            x_scales.into_tensor_arg(),
+            w_scales.into_tensor_arg(),
+            t.bias.into_tensor_arg(),
+            t.add.into_tensor_arg(),
+            t.out.clone().into_tensor_arg(),
+            cfg,
+            dtypes,
+        );
+    }
 }
 
 /// Output tile of cubek's matmul assumed when counting cubes (its autotuned picks at decode
