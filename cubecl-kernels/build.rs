@@ -5,6 +5,9 @@
 //!   which reaches this script as `DEP_CUBECL_CUDA_STREAM_STREAM`): cuBLASLt then runs on that
 //!   stream, inside CUDA graphs too. With the published crate it runs fenced on a stream of its own
 //!   (`src/rms_norm_linear/cublas.rs`).
+//! - `cfg(cubecl_llvm_asm)` when the cubecl-llvm in the build is the vendored one that lowers inline
+//!   PTX on NVPTX (`DEP_CUBECL_LLVM_ASM_NVPTX_ASM`, vendor/README.md): the attention kernels'
+//!   softmax then takes PTX's fast exponential (`src/fast_exp.rs`).
 //! - With the `cpu` feature on x86-64 Linux: `builtins/cpu_builtins.rs` compiled (by the same
 //!   `rustc`, for the same target) into a small shared library that `src/cpu_builtins.rs` embeds
 //!   and loads at run time for CubeCL's CPU JIT, and `cfg(cpu_builtins_library)`. Should that
@@ -17,6 +20,11 @@ use std::process::Command;
 fn main() {
     println!("cargo::rustc-check-cfg=cfg(cubecl_cuda_stream)");
     println!("cargo::rustc-check-cfg=cfg(cpu_builtins_library)");
+    println!("cargo::rustc-check-cfg=cfg(cubecl_llvm_asm)");
+    println!("cargo::rerun-if-env-changed=DEP_CUBECL_LLVM_ASM_NVPTX_ASM");
+    if std::env::var_os("DEP_CUBECL_LLVM_ASM_NVPTX_ASM").is_some() {
+        println!("cargo::rustc-cfg=cubecl_llvm_asm");
+    }
     println!("cargo::rerun-if-env-changed=DEP_CUBECL_CUDA_STREAM_STREAM");
     println!("cargo::rerun-if-changed=builtins/cpu_builtins.rs");
     if std::env::var_os("DEP_CUBECL_CUDA_STREAM_STREAM").is_some() {

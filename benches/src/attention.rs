@@ -120,11 +120,12 @@ pub fn decode(
     report
 }
 
-/// Prefill: `batch` sequences of `len` new tokens each, no prefix; causal FLOPs.
+/// Prefill: `batch` sequences of `len` new tokens each after a cached `prefix` (shapes
+/// `(batch, len, prefix)`); causal FLOPs.
 pub fn prefill(
     model: &str,
     c: &Qwen2Config,
-    shapes: &[(usize, usize)],
+    shapes: &[(usize, usize, usize)],
     device: &Device,
     dtype: DType,
     kv: KvCacheDtype,
@@ -132,13 +133,13 @@ pub fn prefill(
     let mut report = Report::new(
         &format!("prefill attention {model} {dtype:?} kv {}", kv.name()),
         &[
-            "model", "batch", "len", "heads", "kv_heads", "head_dim", "ours_us", "TFLOPs",
-            "rel_err",
+            "model", "batch", "len", "prefix", "heads", "kv_heads", "head_dim", "ours_us",
+            "TFLOPs", "rel_err",
         ],
     );
     let scale = 1.0 / (c.head_dim as f32).sqrt();
-    for &(b, len) in shapes {
-        let s = setup(c, &vec![(len, len); b], device, dtype, kv);
+    for &(b, len, prefix) in shapes {
+        let s = setup(c, &vec![(len, prefix + len); b], device, dtype, kv);
         let ours = || cubecl_kernels::paged_attention(s.q.clone(), &s.cache, &s.meta, scale);
         let err = if b * len <= 4096 && !kv.is_fp8() {
             rel_err(
@@ -149,13 +150,14 @@ pub fn prefill(
             f64::NAN
         };
         let t = median_us(device, 2, 10, ours);
-        // QKᵀ and PV over the causal triangle, 2 FLOPs per multiply-add.
-        let flops =
-            4.0 * (b * c.num_attention_heads * c.head_dim) as f64 * (len * (len + 1) / 2) as f64;
+        // QKᵀ and PV over the prefix and the causal triangle, 2 FLOPs per multiply-add.
+        let keys = len * prefix + len * (len + 1) / 2;
+        let flops = 4.0 * (b * c.num_attention_heads * c.head_dim) as f64 * keys as f64;
         report.row(vec![
             json!(model),
             json!(b),
             json!(len),
+            json!(prefix),
             json!(c.num_attention_heads),
             json!(c.num_key_value_heads),
             json!(c.head_dim),

@@ -143,10 +143,11 @@ fn main() -> Result<()> {
         }
     }
     if want(Suite::Prefill) {
-        let shapes: &[(usize, usize)] = if q {
-            &[(1, 64), (4, 32)]
+        // (sequences, new tokens, cached prefix).
+        let shapes: &[(usize, usize, usize)] = if q {
+            &[(1, 64, 0), (4, 32, 0), (1, 48, 40)]
         } else {
-            &[(1, 4096), (16, 1024), (256, 512)]
+            &[(1, 4096, 0), (16, 1024, 0), (256, 512, 0), (1, 16384, 4096)]
         };
         for model in &cli.models {
             let c = config(model)?;

@@ -64,6 +64,12 @@ pub(crate) struct Knobs {
     /// reference shape's pick with its split count and a separate reduction of the parts, kept
     /// for every M; never the in-place reduction), instead of no split.
     pub invariant_split_k: bool,
+    /// `BURN_NANOVLLM_SOFTMAX_EXP=exact`: the tensor-core attention kernels' softmax takes
+    /// libdevice's `expf` even where PTX's `ex2.approx` lowers.
+    pub softmax_exact_exp: bool,
+    /// `BURN_NANOVLLM_SOFTMAX_MASK=all`: the tensor-core attention kernels mask every stage, not
+    /// only those that reach past a row's causal limit.
+    pub softmax_mask_all: bool,
     /// `BURN_NANOVLLM_ALL_REDUCE_BLOCKS=cubes`: cubes of the IPC kernels at most (default: one
     /// per multiprocessor, at most 128).
     pub all_reduce_blocks: Option<usize>,
@@ -104,6 +110,9 @@ impl Knobs {
             all_reduce_one_shot_max: numbers("BURN_NANOVLLM_ALL_REDUCE_ONE_SHOT_MAX").map(|[b]| b),
             invariant_split_k: std::env::var("BURN_NANOVLLM_INVARIANT_SPLIT_K")
                 .is_ok_and(|v| v == "1"),
+            softmax_exact_exp: std::env::var("BURN_NANOVLLM_SOFTMAX_EXP")
+                .is_ok_and(|v| v == "exact"),
+            softmax_mask_all: std::env::var("BURN_NANOVLLM_SOFTMAX_MASK").is_ok_and(|v| v == "all"),
             all_reduce_blocks: numbers("BURN_NANOVLLM_ALL_REDUCE_BLOCKS").map(|[c]| c),
         }
     }

@@ -8,6 +8,8 @@ mod kernels {
     mod collective;
     pub mod common;
     mod cpu_builtins;
+    #[cfg(feature = "cuda")]
+    mod fast_exp;
     mod fp8_kv;
     mod fp8_linear;
     mod host_io;

@@ -22,11 +22,39 @@
 //!
 //! The softmax state of a lane's two rows is an `Array<f32>` of 4: `[m_a, m_b, l_a, l_b]`
 //! (running maxima, and this lane's share of the running sums until [`finish_row_sums`]).
+//! [`StageSoftmax`] says how the exponentials and the causal masks are computed.
 
 use cubecl::cmma::{MatrixIdent, MmaDefinition};
 use cubecl::prelude::*;
 
 use super::kv_cache::{KvCacheDtype, cache_row, load_f32};
+use crate::fast_exp::{FAST_EXP_LOWERED, LOG2_E, exp2_approx};
+use crate::knobs::Knobs;
+
+/// How a stage's softmax is computed. Per score it costs the scale's FMA, the exponential, the
+/// maximum and the sum, plus the causal mask's compare and select where one applies: at head
+/// dim 64 that, not the two MMAs, bounds the kernels (an accurate `expf` is eight instructions).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub struct StageSoftmax {
+    /// Exponentials by PTX `ex2.approx` on log₂-scaled scores ([`crate::fast_exp`]) instead of
+    /// libdevice's `expf`.
+    pub fast_exp: bool,
+    /// Masks applied only in stages that reach past some row's causal limit (a plane vote; the
+    /// others hold only visible keys), instead of in every stage.
+    pub masks_where_needed: bool,
+}
+
+impl StageSoftmax {
+    /// The fast form where this build lowers it; `BURN_NANOVLLM_SOFTMAX_EXP=exact` and
+    /// `BURN_NANOVLLM_SOFTMAX_MASK=all` pick the reference parts, for benchmarks.
+    pub fn from_knobs() -> Self {
+        let knobs = Knobs::get();
+        Self {
+            fast_exp: FAST_EXP_LOWERED && !knobs.softmax_exact_exp,
+            masks_where_needed: !knobs.softmax_mask_all,
+        }
+    }
+}
 
 /// Shape of a K/V stage and of the units that fill it.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
@@ -37,6 +65,8 @@ pub struct KvStage {
     pub units: usize,
     pub head_dim: usize,
     pub kv_heads: usize,
+    /// How each stage's softmax is computed.
+    pub softmax: StageSoftmax,
 }
 
 impl KvStage {
@@ -222,6 +252,7 @@ pub fn attend_kv_stream<F: Float, KV: Float, NV: Size, NP: Size>(
             st.keys,
             st.head_dim,
             shared_len,
+            st.softmax,
         );
         if has_next {
             put_kv::<F, KV, NV>(
@@ -335,7 +366,7 @@ fn load_k_tile<F: Float, NV: Size, NP: Size>(
 /// One stage: keys `k0 .. k0 + keys`, at vector `off` of `k_s` / `v_s` (slices of `len`
 /// vectors), against the Q tile `qa`. Scores are scaled by `scale`; keys at or past `limit_a`
 /// (row a) or `limit_b` (row b) are masked (0 masks a padding row). Updates the softmax state
-/// (maxima of scaled scores) and the output accumulators `o`.
+/// (maxima of scaled scores) and the output accumulators `o`; `softmax` picks the form.
 #[cube]
 #[allow(clippy::too_many_arguments)]
 pub fn attend_stage<F: Float, NV: Size, NP: Size>(
@@ -352,6 +383,7 @@ pub fn attend_stage<F: Float, NV: Size, NP: Size>(
     #[comptime] keys: usize,
     #[comptime] head_dim: usize,
     #[comptime] len: usize,
+    #[comptime] softmax: StageSoftmax,
 ) {
     let def = MmaDefinition::<F, F, f32>::new(16usize, 8usize, 16usize);
     let lane = UNIT_POS_PLANE as usize;
@@ -422,27 +454,38 @@ pub fn attend_stage<F: Float, NV: Size, NP: Size>(
         }
     }
 
-    // Online softmax on the raw scores (the scale is positive, so it keeps their order): mask,
-    // row maxima over the 4 lanes of a row; the scale enters once per row maximum and in each
-    // exponent's FMA, `exp(s·scale − m)`.
+    // Online softmax on the raw scores (the scale is positive, so it keeps their order): mask
+    // (only in a stage that reaches past some row's limit, where `masks_where_needed`), row
+    // maxima over the 4 lanes of a row; the scale enters once per row maximum and in each
+    // exponent's FMA, `exp(s·scale − m)` (as `2^(s·scale·log₂e − m·log₂e)` with `fast_exp`).
+    let stage_end = k0 + keys;
+    let visible = stage_end <= limit_a && stage_end <= limit_b;
+    if !comptime!(softmax.masks_where_needed) || !plane_all(visible) {
+        #[unroll]
+        for j in 0..ntiles {
+            let mut va = s_acc[2 * j];
+            let mut vb = s_acc[2 * j + 1];
+            #[unroll]
+            for e in 0..2usize {
+                let key = k0 + j * 8 + 2 * t + e;
+                va.insert(e, select(key >= limit_a, neg_inf, va.extract(e)));
+                vb.insert(e, select(key >= limit_b, neg_inf, vb.extract(e)));
+            }
+            s_acc[2 * j] = va;
+            s_acc[2 * j + 1] = vb;
+        }
+    }
     let mut mx_a = neg_inf;
     let mut mx_b = neg_inf;
     #[unroll]
     for j in 0..ntiles {
-        let mut va = s_acc[2 * j];
-        let mut vb = s_acc[2 * j + 1];
+        let va = s_acc[2 * j];
+        let vb = s_acc[2 * j + 1];
         #[unroll]
         for e in 0..2usize {
-            let key = k0 + j * 8 + 2 * t + e;
-            let sa = select(key >= limit_a, neg_inf, va.extract(e));
-            let sb = select(key >= limit_b, neg_inf, vb.extract(e));
-            va.insert(e, sa);
-            vb.insert(e, sb);
-            mx_a = max(mx_a, sa);
-            mx_b = max(mx_b, sb);
+            mx_a = max(mx_a, va.extract(e));
+            mx_b = max(mx_b, vb.extract(e));
         }
-        s_acc[2 * j] = va;
-        s_acc[2 * j + 1] = vb;
     }
     mx_a = max(mx_a, plane_shuffle_xor(mx_a, 1u32));
     mx_a = max(mx_a, plane_shuffle_xor(mx_a, 2u32));
@@ -453,8 +496,11 @@ pub fn attend_stage<F: Float, NV: Size, NP: Size>(
     let new_b = max(m_b, mx_b * scale);
     // A row with no key yet (maximum −∞) has only masked scores: offset 0 keeps their
     // exponents at −∞ (probability 0) instead of −∞ + ∞.
-    let off_a = select(new_a == neg_inf, 0.0, -new_a);
-    let off_b = select(new_b == neg_inf, 0.0, -new_b);
+    // In log₂ units with `fast_exp` (one FMA and one `ex2` a score).
+    let unit = comptime!(if softmax.fast_exp { LOG2_E } else { 1.0 });
+    let exp_scale = scale * unit;
+    let off_a = select(new_a == neg_inf, 0.0, -new_a * unit);
+    let off_b = select(new_b == neg_inf, 0.0, -new_b * unit);
     let mut sum_a = 0.0f32;
     let mut sum_b = 0.0f32;
     #[unroll]
@@ -463,8 +509,8 @@ pub fn attend_stage<F: Float, NV: Size, NP: Size>(
         let mut vb = s_acc[2 * j + 1];
         #[unroll]
         for e in 0..2usize {
-            let pa = f32::exp(fma(va.extract(e), scale, off_a));
-            let pb = f32::exp(fma(vb.extract(e), scale, off_b));
+            let pa = stage_exp(fma(va.extract(e), exp_scale, off_a), softmax);
+            let pb = stage_exp(fma(vb.extract(e), exp_scale, off_b), softmax);
             sum_a += pa;
             sum_b += pb;
             va.insert(e, pa);
@@ -478,8 +524,8 @@ pub fn attend_stage<F: Float, NV: Size, NP: Size>(
     // first stages most maxima stay put (64 multiplies and two exponentials a stage at
     // head dim 128).
     if plane_any(new_a > m_a || new_b > m_b) {
-        let corr_a = select(m_a == neg_inf, 0.0, f32::exp(m_a - new_a));
-        let corr_b = select(m_b == neg_inf, 0.0, f32::exp(m_b - new_b));
+        let corr_a = select(m_a == neg_inf, 0.0, stage_exp((m_a - new_a) * unit, softmax));
+        let corr_b = select(m_b == neg_inf, 0.0, stage_exp((m_b - new_b) * unit, softmax));
         state[2] *= corr_a;
         state[3] *= corr_b;
         #[unroll]
@@ -544,6 +590,16 @@ pub fn attend_stage<F: Float, NV: Size, NP: Size>(
                 }
             }
         }
+    }
+}
+
+/// The softmax's exponential: `2ˣ` with `fast_exp` (the caller scaled by log₂ e), else `eˣ`.
+#[cube]
+fn stage_exp(x: f32, #[comptime] softmax: StageSoftmax) -> f32 {
+    if comptime!(softmax.fast_exp) {
+        exp2_approx(x)
+    } else {
+        f32::exp(x)
     }
 }
 

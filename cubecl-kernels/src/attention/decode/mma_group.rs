@@ -18,7 +18,7 @@ use cubecl::prelude::*;
 
 use super::super::kv_cache::{KvCacheDtype, head_scales};
 use super::super::mma_tile::{
-    KvStage, attend_kv_stream, finish_row_sums, load_q_fragments, start_rows,
+    KvStage, StageSoftmax, attend_kv_stream, finish_row_sums, load_q_fragments, start_rows,
 };
 use super::{split_keys, write_merged};
 
@@ -31,6 +31,8 @@ pub struct MmaGroupConfig {
     pub kv_heads: usize,
     /// Planes (key streams) per cube.
     pub planes: usize,
+    /// How each K/V chunk's softmax is computed.
+    pub softmax: StageSoftmax,
 }
 
 impl MmaGroupConfig {
@@ -51,6 +53,7 @@ impl MmaGroupConfig {
             units: 32,
             head_dim: self.head_dim,
             kv_heads: self.kv_heads,
+            softmax: self.softmax,
         }
     }
 

@@ -39,6 +39,7 @@ use burn::tensor::{DType, Shape};
 use burn_cubecl::{ops::numeric::empty_device_dtype, tensor::CubeTensor};
 use cubecl::prelude::*;
 
+use super::mma_tile::StageSoftmax;
 use crate::device_caps::DeviceCaps;
 
 /// Groups of at least this many query heads per kv head take the wide-group kernel.
@@ -291,6 +292,7 @@ pub(crate) fn paged_decode(
         planes: crate::knobs::Knobs::get()
             .decode_mma_planes
             .unwrap_or(MMA_PLANES),
+        softmax: StageSoftmax::from_knobs(),
     };
     let kernel = if (WIDE_GROUP..=16).contains(&group)
         && mma.planes > 0

@@ -22,7 +22,7 @@ use cubecl::prelude::*;
 
 use super::super::kv_cache::{KvCacheDtype, head_scales};
 use super::super::mma_tile::{
-    KvStage, attend_kv_stream, finish_row_sums, load_q_fragments, start_rows,
+    KvStage, StageSoftmax, attend_kv_stream, finish_row_sums, load_q_fragments, start_rows,
 };
 use super::tile_and_group;
 
@@ -41,6 +41,8 @@ pub struct MmaPrefillConfig {
     pub row_blocks: usize,
     /// The cube's heads share each plane's MMA rows (module doc); `heads_per_cube ≤ 16`.
     pub packed: bool,
+    /// How each K/V stage's softmax is computed.
+    pub softmax: StageSoftmax,
 }
 
 impl MmaPrefillConfig {
@@ -82,6 +84,7 @@ impl MmaPrefillConfig {
             units: self.units(),
             head_dim: self.head_dim,
             kv_heads: self.kv_heads,
+            softmax: self.softmax,
         }
     }
 

@@ -32,6 +32,7 @@ use burn_cubecl::tensor::CubeTensor;
 use cubecl::prelude::*;
 
 use crate::ReductionOrder;
+use super::mma_tile::StageSoftmax;
 use crate::device_caps::DeviceCaps;
 use crate::knobs::Knobs;
 use cmma::{CmmaPrefillConfig, paged_prefill_cmma};
@@ -144,6 +145,7 @@ fn mma_config(
         heads_per_cube,
         row_blocks,
         packed,
+        softmax: StageSoftmax::from_knobs(),
     };
     (cfg.block_k.is_multiple_of(16)
         && (!cfg.packed || cfg.heads_per_cube <= 16)

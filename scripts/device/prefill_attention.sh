@@ -1,0 +1,110 @@
+#!/usr/bin/env bash
+# On the GPU machine (device tool, nvidia-h200): the tensor-core attention kernels' softmax and
+# prefill attention against FlashAttention-3.
+#   prefill_attention.sh check   (dist-kk/kernels.xz: `cargo test --workspace --test kernels
+#       --no-run`, stripped): the attention tests with KERNEL_TEST_DEVICE=cuda (prefill and
+#       decode against the plain-Burn reference: odd lengths, chunks over prefixes, both head
+#       sizes, FP8 caches, batch invariance), then the PTX of the prefill kernel (CubeCL's IR
+#       dump) checked for `ex2.approx` and counted by instruction.
+#   prefill_attention.sh fa3   (dist-fa3/ = a copy of ../shared/peers/fa3): FlashAttention-3 at
+#       every shape of `benches prefill` (scripts/device/fa3_prefill.py) -> fa3.csv.
+#   prefill_attention.sh ours   (dist-b/benches.xz): `benches decode prefill` with each softmax
+#       form (default; BURN_NANOVLLM_SOFTMAX_EXP=exact; BURN_NANOVLLM_SOFTMAX_MASK=all; both,
+#       the form before the fast exponential) -> attention-FORM.log/json.
+#   prefill_attention.sh profile   (dist-b/benches.xz): Nsight Compute's full set for the prefill
+#       kernel at every shape of `benches prefill` (the third launch of each launch
+#       configuration) -> ncu-prefill.csv, summarised.
+#   prefill_attention.sh tiles H,R,K...   (dist-b/benches.xz): `benches prefill` with each
+#       manual-MMA tile BURN_NANOVLLM_PREFILL_MMA=heads_per_cube,row_blocks,block_k (a model
+#       whose group the first does not divide keeps its default) -> tile-H,R,K.log/json.
+#   prefill_attention.sh e2e MODEL...   (dist-b/benches.xz): through the engine, random weights of
+#       each model's config, the softmax before (exact: libdevice `expf`, every stage masked)
+#       and after (fast), back to back: `benches throughput` 32 x (8,192 + 128) and
+#       1,000 x (512 + 128), `benches latency` of one 8,192-token prompt and one output token
+#       -> e2e-FORM-MODEL-*.log/json.
+# Logs go to $OUT.
+set -uo pipefail
+source "$(dirname "$0")/unpack.sh"
+nvidia-smi --query-gpu=name,memory.total,clocks.max.sm --format=csv,noheader
+mode_args=("$@")
+for mode in "$@"; do
+  case "$mode" in
+    check)
+      KERNEL_TEST_DEVICE=cuda timeout 400 /tmp/bin/kernels attention batch_invariance fp8_kv \
+        --test-threads 1 2>&1 | tee "$OUT/kernels-cuda.log" | grep -E "^test |test result|panicked" | cut -c1-300
+      rm -rf /tmp/ir && mkdir -p /tmp/ir
+      CUBECL_DEBUG_PLIRON=/tmp/ir KERNEL_TEST_DEVICE=cuda timeout 200 /tmp/bin/kernels \
+        prefill_matches_reference --test-threads 1 > /dev/null 2>&1
+      for ptx in $(ls /tmp/ir/*prefill_mma*/nvptx.ptx 2>/dev/null | head -2); do
+        echo "== $ptx"; cp "$ptx" "$OUT/$(basename "$(dirname "$ptx")").ptx"
+        grep -cE "ex2\.approx" "$ptx" | sed 's/^/ex2.approx: /'
+        grep -oE "^\s+(mma|ldmatrix|ex2|fma|max|selp|setp|add|mul|cvt|shfl|bar)[a-z0-9._]*" "$ptx" \
+          | sed 's/^\s*//; s/\..*//' | sort | uniq -c | sort -rn | head -14
+      done
+      ls /tmp/ir | head -5
+      ;;
+    fa3)
+      bash dist-fa3/setup.sh > /dev/null && PYTHONPATH=/tmp/fa3site timeout 300 \
+        python3 scripts/device/fa3_prefill.py 2>&1 | tee "$OUT/fa3.csv" | grep -E "^fa3"
+      ;;
+    ours)
+      for form in fast exact-exp mask-all exact; do
+        env=()
+        case "$form" in
+          exact-exp) env=(BURN_NANOVLLM_SOFTMAX_EXP=exact) ;;
+          mask-all) env=(BURN_NANOVLLM_SOFTMAX_MASK=all) ;;
+          exact) env=(BURN_NANOVLLM_SOFTMAX_EXP=exact BURN_NANOVLLM_SOFTMAX_MASK=all) ;;
+        esac
+        env "${env[@]}" timeout 240 /tmp/bin/benches decode prefill --device cuda --ours-only \
+          --out "$OUT/attention-$form.json" > "$OUT/attention-$form.log" 2>&1
+        echo "== $form exit $?"; grep -E "^qwen" "$OUT/attention-$form.log" | cut -d, -f1-4,8-10
+      done
+      ;;
+    tiles)
+      for tile in "${mode_args[@]:1}"; do
+        BURN_NANOVLLM_PREFILL_MMA=$tile timeout 120 /tmp/bin/benches prefill --device cuda \
+          --ours-only --out "$OUT/tile-${tile//,/_}.json" > "$OUT/tile-${tile//,/_}.log" 2>&1
+        echo "== tile $tile exit $?"; grep -E "^qwen" "$OUT/tile-${tile//,/_}.log" | cut -d, -f1-4,8-10
+      done
+      break
+      ;;
+    e2e)
+      for model in "${mode_args[@]:1}"; do
+        for form in exact fast; do
+          env=()
+          [ "$form" = exact ] && env=(BURN_NANOVLLM_SOFTMAX_EXP=exact BURN_NANOVLLM_SOFTMAX_MASK=all)
+          for run in "long:throughput --num-prompts 32 --input-len 8192 --output-len 128" \
+                     "short:throughput --num-prompts 1000 --input-len 512 --output-len 128" \
+                     "ttft:latency --batch-size 1 --input-len 8192 --output-len 1 --iters 5"; do
+            name=${run%%:*}; args=${run#*:}
+            env "${env[@]}" timeout 300 /tmp/bin/benches $args --device cuda --dummy "$model" \
+              --out "$OUT/e2e-$form-$model-$name.json" > "$OUT/e2e-$form-$model-$name.log" 2>&1
+            echo "== $form $model $name exit $?: $(grep -E "^qwen|tok/s|latency|ms" "$OUT/e2e-$form-$model-$name.log" | tail -2 | tr '\n' ' ' | cut -c1-300)"
+          done
+        done
+      done
+      break
+      ;;
+    profile)
+      timeout 500 ncu --kernel-name regex:prefill_mma --filter-mode per-launch-config \
+        --launch-skip 2 --launch-count 1 --set full --import-source no \
+        --csv --page details --print-units base \
+        /tmp/bin/benches prefill --device cuda --ours-only > "$OUT/ncu-prefill.csv" 2> "$OUT/ncu-prefill.err"
+      echo "ncu exit $?"
+      python3 - "$OUT/ncu-prefill.csv" <<'PY'
+import csv, sys, re
+rows = [r for r in csv.reader(open(sys.argv[1])) if len(r) > 10]
+h = rows[0]; rows = rows[1:]
+iid, ig, im, iv = h.index("ID"), h.index("Grid Size"), h.index("Metric Name"), h.index("Metric Value")
+keep = re.compile(r"Registers Per Thread|Achieved Occupancy|Theoretical Occupancy|Duration|Executed Ipc Active|"
+                  r"Issue Slots Busy|Warp Cycles Per Issued|Stall|Block Limit|Executed Instructions$|Compute \(SM\) Throughput|Memory Throughput")
+seen = {}
+for r in rows:
+    if keep.search(r[im]):
+        seen.setdefault((r[iid], r[ig]), []).append(f"{r[im]}={r[iv]}")
+for (i, g), ms in seen.items():
+    print(f"== launch {i} grid {g}"); print("  " + "; ".join(ms))
+PY
+      ;;
+  esac
+done
