@@ -4,7 +4,8 @@ including a long prompt after a cached prefix, which the peer kit's script does 
     PYTHONPATH=/tmp/fa3site python3 scripts/device/fa3_prefill.py
 Prints CSV: fa3_prefill,model,batch,len,prefix,us,TFLOPs. Without a prefix: causal varlen over
 contiguous K/V (as the kit's script); with one: the prefix and the new tokens' K/V in a paged cache
-(block size 16, shuffled blocks), causal from the end. FLOPs = 4·B·H·D·(L·P + L(L+1)/2), as ours."""
+(block size 16, shuffled blocks), causal from the end. FLOPs = 4·B·H·D·(L·P + L(L+1)/2), as ours.
+Timed in CUDA graphs of four calls, as `benches prefill` times ours."""
 import torch
 from vllm.vllm_flash_attn.flash_attn_interface import flash_attn_varlen_func
 
@@ -13,16 +14,23 @@ SHAPES = [(1, 4096, 0), (16, 1024, 0), (256, 512, 0), (1, 16384, 4096)]
 dev, bf, bs = "cuda", torch.bfloat16, 16
 
 
-def timed(fn, iters=5):
+def timed(fn, calls=4, reps=10):
+    """Median microseconds per call: a CUDA graph of `calls` back-to-back calls replayed ten times
+    a sample (no Python or launch overhead; ours is timed the same way)."""
     for _ in range(3): fn()
     torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(calls): fn()
+    for _ in range(3): graph.replay()
+    torch.cuda.synchronize()
     times = []
-    for _ in range(5):
+    for _ in range(reps):
         s = torch.cuda.Event(enable_timing=True); e = torch.cuda.Event(enable_timing=True)
         s.record()
-        for _ in range(iters): fn()
+        for _ in range(10): graph.replay()
         e.record(); torch.cuda.synchronize()
-        times.append(s.elapsed_time(e) / iters * 1e3)
+        times.append(s.elapsed_time(e) / (10 * calls) * 1e3)
     return sorted(times)[len(times) // 2]
 
 

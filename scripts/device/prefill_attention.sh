@@ -10,10 +10,13 @@
 #       every shape of `benches prefill` (scripts/device/fa3_prefill.py) -> fa3.csv.
 #   prefill_attention.sh ours   (dist-b/benches.xz): `benches decode prefill` with each softmax
 #       form (default; BURN_NANOVLLM_SOFTMAX_EXP=exact; BURN_NANOVLLM_SOFTMAX_MASK=all; both,
-#       the form before the fast exponential) -> attention-FORM.log/json.
+#       the form before the fast exponential) -> attention-FORM.log/json (SUITES=prefill: prefill
+#       only).
 #   prefill_attention.sh profile   (dist-b/benches.xz): Nsight Compute's full set for the prefill
 #       kernel at every shape of `benches prefill` (the third launch of each launch
 #       configuration) -> ncu-prefill.csv, summarised.
+#   prefill_attention.sh prefill   (dist-b/benches.xz): `benches prefill`, default kernels, three
+#       times -> prefill-N.log/json.
 #   prefill_attention.sh tiles H,R,K...   (dist-b/benches.xz): `benches prefill` with each
 #       manual-MMA tile BURN_NANOVLLM_PREFILL_MMA=heads_per_cube,row_blocks,block_k (a model
 #       whose group the first does not divide keeps its default) -> tile-H,R,K.log/json.
@@ -55,9 +58,16 @@ for mode in "$@"; do
           mask-all) env=(BURN_NANOVLLM_SOFTMAX_MASK=all) ;;
           exact) env=(BURN_NANOVLLM_SOFTMAX_EXP=exact BURN_NANOVLLM_SOFTMAX_MASK=all) ;;
         esac
-        env "${env[@]}" timeout 240 /tmp/bin/benches decode prefill --device cuda --ours-only \
+        env "${env[@]}" timeout 240 /tmp/bin/benches ${SUITES:-decode prefill} --device cuda --ours-only \
           --out "$OUT/attention-$form.json" > "$OUT/attention-$form.log" 2>&1
         echo "== $form exit $?"; grep -E "^qwen" "$OUT/attention-$form.log" | cut -d, -f1-4,8-10
+      done
+      ;;
+    prefill)
+      for n in 1 2 3; do
+        timeout 120 /tmp/bin/benches prefill --device cuda --ours-only --out "$OUT/prefill-$n.json" \
+          > "$OUT/prefill-$n.log" 2>&1
+        echo "== prefill $n exit $?"; grep -E "^qwen" "$OUT/prefill-$n.log" | cut -d, -f1-4,8-10
       done
       ;;
     tiles)

@@ -190,8 +190,10 @@ pub fn paged_prefill_mma<F: Float, KV: Float, NV: Size>(
         false,
     );
 
-    // Normalise and write.
+    // Normalise (one reciprocal a row: a division per element is a dozen instructions) and write.
     finish_row_sums(&mut state);
+    let norm_a = vs / state[2];
+    let norm_b = vs / state[3];
     let out_a = (q_start + q0 + row_a) * out.stride(0) + head_a * out.stride(1);
     let out_b = (q_start + q0 + row_b) * out.stride(0) + head_b * out.stride(1);
     #[unroll]
@@ -200,10 +202,10 @@ pub fn paged_prefill_mma<F: Float, KV: Float, NV: Size>(
         for e in 0..2usize {
             let col = j * 8 + 2 * t + e;
             if valid_a {
-                out[out_a + col] = F::cast_from(o[2 * j].extract(e) * vs / state[2]);
+                out[out_a + col] = F::cast_from(o[2 * j].extract(e) * norm_a);
             }
             if valid_b {
-                out[out_b + col] = F::cast_from(o[2 * j + 1].extract(e) * vs / state[3]);
+                out[out_b + col] = F::cast_from(o[2 * j + 1].extract(e) * norm_b);
             }
         }
     }
