@@ -9,7 +9,7 @@
 //! and `build.rs` turns that into `cfg(cubecl_llvm_asm)`. Built against the published crate,
 //! [`FAST_EXP_LOWERED`] is false and the kernels keep `exp`.
 
-/// Whether [`exp2_approx`] can be compiled by this build's CubeCL (CUDA kernels only).
+/// Whether [`exp2_approx()`] can be compiled by this build's CubeCL (CUDA kernels only).
 pub const FAST_EXP_LOWERED: bool = cfg!(cubecl_llvm_asm);
 
 /// `log₂ e`: `eˣ = 2^(x·log₂ e)`.
@@ -23,7 +23,7 @@ mod ptx {
     use cubecl::prelude::*;
 
     /// `2ˣ` by PTX `ex2.approx.ftz.f32` (`2^−∞ = 0`). Only in CUDA kernels, and only where
-    /// [`super::FAST_EXP_LOWERED`].
+    /// [`FAST_EXP_LOWERED`](crate::fast_exp::FAST_EXP_LOWERED).
     #[cube]
     pub fn exp2_approx(x: f32) -> f32 {
         let y: f32;
