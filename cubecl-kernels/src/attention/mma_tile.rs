@@ -336,26 +336,26 @@ pub fn start_rows<NP: Size>(
 }
 
 /// The B fragments of key tile `j` (8 keys) for the `kx4` pairs of full k-steps of `Q·Kᵀ`, by
-/// `ldmatrix.x4` from the stage at vector `off` of `k_s` (rows of `rs` vectors, a slice of
-/// `len`): pair `s2`'s four registers at `kf[4·s2 ..]`.
+/// `ldmatrix.x4` from `k_lane`, this lane's row of the stage (rows of `rs` vectors): pair `s2`'s
+/// four registers at `kf[4·s2 ..]`. The offsets from the lane's row are constants, so they fold
+/// into the instruction's address.
 #[cube]
 fn load_k_tile<F: Float, NV: Size, NP: Size>(
-    k_s: &Shared<[Vector<F, NV>]>,
-    off: usize,
-    j: usize,
-    rs: usize,
-    #[comptime] len: usize,
+    k_lane: &[Vector<F, NV>],
+    #[comptime] j: usize,
+    #[comptime] rs: usize,
     kf: &mut Array<Vector<F, NP>>,
     #[comptime] kx4: usize,
 ) {
     let def = MmaDefinition::<F, F, f32>::new(16usize, 8usize, 16usize);
-    let lane = UNIT_POS_PLANE as usize;
-    let (lrow, lmat) = (lane % 8, lane / 8);
     #[unroll]
     for s2 in 0..kx4 {
-        let at = off + (j * 8 + lrow) * rs + 4 * s2 + lmat;
-        let frags =
-            def.load_matrix::<Vector<F, NV>, NP>(&k_s[at..len], MatrixIdent::B, 4usize, false);
+        let frags = def.load_matrix::<Vector<F, NV>, NP>(
+            &k_lane[j * 8 * rs + 4 * s2..],
+            MatrixIdent::B,
+            4usize,
+            false,
+        );
         #[unroll]
         for e in 0..4usize {
             kf[4 * s2 + e] = frags[e];
@@ -401,13 +401,15 @@ pub fn attend_stage<F: Float, NV: Size, NP: Size>(
     // not wait on shared memory (measured stalled on it at head dim 128, two planes per
     // scheduler).
     let kx4 = comptime!(head_dim / 32);
+    // This lane's `ldmatrix` row of the stage: key row `l % 8` of a tile, column vector `l / 8`.
+    let k_lane = &k_s[off + lrow * rs + lmat..len];
     let mut kf = Array::<Vector<F, NP>>::new(comptime!(4 * kx4.max(1)));
-    load_k_tile::<F, NV, NP>(k_s, off, 0, rs, len, &mut kf, kx4);
+    load_k_tile::<F, NV, NP>(k_lane, 0usize, rs, &mut kf, kx4);
     #[unroll]
     for j in 0..ntiles {
         let mut kn = Array::<Vector<F, NP>>::new(comptime!(4 * kx4.max(1)));
         if j + 1 < ntiles {
-            load_k_tile::<F, NV, NP>(k_s, off, j + 1, rs, len, &mut kn, kx4);
+            load_k_tile::<F, NV, NP>(k_lane, j + 1, rs, &mut kn, kx4);
         }
         let mut c = Array::<Vector<f32, NP>>::new(2usize);
         c[0] = Vector::new(0.0);
@@ -545,6 +547,8 @@ pub fn attend_stage<F: Float, NV: Size, NP: Size>(
     // row `16·s + 8·(l / 8 % 2) + l % 8` at column vector `2·j2 + l / 16`; the next pair's are
     // loaded before this pair's products (as for `Q·Kᵀ`).
     let vx4 = comptime!(head_dim / 16);
+    // This lane's row of the V stage (offsets from it are constants, as for K).
+    let v_lane = &v_s[off + ((lmat % 2) * 8 + lrow) * rs + lmat / 2..len];
     #[unroll]
     for s in 0..comptime!(keys / 16) {
         let mut a = Array::<Vector<F, NP>>::new(4usize);
@@ -552,15 +556,15 @@ pub fn attend_stage<F: Float, NV: Size, NP: Size>(
         for e in 0..4usize {
             a[e] = Vector::<F, NP>::cast_from(s_acc[4 * s + e]);
         }
-        let row = off + (s * 16 + (lmat % 2) * 8 + lrow) * rs + lmat / 2;
+        let row = s * 16 * rs;
         let mut vf =
-            def.load_matrix::<Vector<F, NV>, NP>(&v_s[row..len], MatrixIdent::B, 4usize, true);
+            def.load_matrix::<Vector<F, NV>, NP>(&v_lane[row..], MatrixIdent::B, 4usize, true);
         #[unroll]
         for j2 in 0..vx4 {
             let mut vn = Array::<Vector<F, NP>>::new(4usize);
             if j2 + 1 < vx4 {
                 let next = def.load_matrix::<Vector<F, NV>, NP>(
-                    &v_s[row + 2 * (j2 + 1)..len],
+                    &v_lane[row + 2 * (j2 + 1)..],
                     MatrixIdent::B,
                     4usize,
                     true,
