@@ -526,8 +526,16 @@ pub fn attend_stage<F: Float, NV: Size, NP: Size>(
     // first stages most maxima stay put (64 multiplies and two exponentials a stage at
     // head dim 128).
     if plane_any(new_a > m_a || new_b > m_b) {
-        let corr_a = select(m_a == neg_inf, 0.0, stage_exp((m_a - new_a) * unit, softmax));
-        let corr_b = select(m_b == neg_inf, 0.0, stage_exp((m_b - new_b) * unit, softmax));
+        let corr_a = select(
+            m_a == neg_inf,
+            0.0,
+            stage_exp((m_a - new_a) * unit, softmax),
+        );
+        let corr_b = select(
+            m_b == neg_inf,
+            0.0,
+            stage_exp((m_b - new_b) * unit, softmax),
+        );
         state[2] *= corr_a;
         state[3] *= corr_b;
         #[unroll]

@@ -4,9 +4,9 @@
 use std::ffi::CStr;
 use std::sync::Arc;
 
+use cubecl::Compiler;
 use cubecl::ir::nvidia::SmArch;
 use cubecl::ir::{DeviceIdentity, HardwareProperties, MemoryDeviceProperties, features::Features};
-use cubecl::Compiler;
 use cubecl::prelude::*;
 use cubecl_kernels::fast_exp::{FAST_EXP_LOWERED, exp2_approx};
 use cubecl_llvm::nvptx::ptx_version::PtxVersion;
@@ -55,11 +55,13 @@ fn offline_device() -> Arc<DeviceProperties> {
 
 #[test]
 fn fast_exponential_is_one_ptx_instruction() {
-    assert!(
-        FAST_EXP_LOWERED,
-        "this workspace builds the vendored cubecl-llvm, which lowers inline PTX"
+    // This workspace builds the vendored cubecl-llvm, which lowers inline PTX.
+    const { assert!(FAST_EXP_LOWERED) };
+    let settings = KernelSettings::new(
+        *CubeDim::new_1d(64),
+        ExecutionMode::Checked,
+        AddressType::U32,
     );
-    let settings = KernelSettings::new(*CubeDim::new_1d(64), ExecutionMode::Checked, AddressType::U32);
     let kernel = exp2_each::Exp2Each::new(
         settings,
         offline_device(),

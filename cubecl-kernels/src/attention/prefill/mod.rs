@@ -31,8 +31,8 @@ use burn::tensor::DType;
 use burn_cubecl::tensor::CubeTensor;
 use cubecl::prelude::*;
 
-use crate::ReductionOrder;
 use super::mma_tile::StageSoftmax;
+use crate::ReductionOrder;
 use crate::device_caps::DeviceCaps;
 use crate::knobs::Knobs;
 use cmma::{CmmaPrefillConfig, paged_prefill_cmma};
