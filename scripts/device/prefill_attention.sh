@@ -25,6 +25,9 @@
 #       and after (fast), back to back: `benches throughput` 32 x (8,192 + 128) and
 #       1,000 x (512 + 128), `benches latency` of one 8,192-token prompt and one output token
 #       -> e2e-FORM-MODEL-*.log/json.
+#   prefill_attention.sh serve MODEL...   (dist-b/benches.xz): `benches serve` in process, random
+#       weights, 200 requests of 2,048 + 64 tokens at 16 a second (a fresh seed each run), the
+#       softmax before (exact) and after (fast), back to back -> serve-FORM-MODEL.log/json.
 # Logs go to $OUT.
 set -uo pipefail
 source "$(dirname "$0")/unpack.sh"
@@ -91,6 +94,20 @@ for mode in "$@"; do
               --out "$OUT/e2e-$form-$model-$name.json" > "$OUT/e2e-$form-$model-$name.log" 2>&1
             echo "== $form $model $name exit $?: $(grep -E "^qwen|tok/s|latency|ms" "$OUT/e2e-$form-$model-$name.log" | tail -2 | tr '\n' ' ' | cut -c1-300)"
           done
+        done
+      done
+      break
+      ;;
+    serve)
+      for model in "${mode_args[@]:1}"; do
+        for form in exact fast; do
+          env=()
+          [ "$form" = exact ] && env=(BURN_NANOVLLM_SOFTMAX_EXP=exact BURN_NANOVLLM_SOFTMAX_MASK=all)
+          env "${env[@]}" timeout 200 /tmp/bin/benches serve --device cuda --dummy "$model" \
+            --num-prompts 200 --input-len 2048 --output-len 64 --request-rate 16 \
+            --seed $((RANDOM * 7 + 1)) --out "$OUT/serve-$form-$model.json" \
+            > "$OUT/serve-$form-$model.log" 2>&1
+          echo "== $form $model exit $?"; grep -E "^(model|qwen|rate)" "$OUT/serve-$form-$model.log" | tail -2
         done
       done
       break
