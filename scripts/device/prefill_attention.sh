@@ -33,6 +33,16 @@ set -uo pipefail
 source "$(dirname "$0")/unpack.sh"
 nvidia-smi --query-gpu=name,memory.total,clocks.max.sm --format=csv,noheader
 mode_args=("$@")
+# The knobs of a softmax form, into the array `env`: fast (the default), exact-exp, mask-all, exact
+# (both: the kernel before the fast exponential).
+form_env() {
+  case "$1" in
+    fast) env=() ;;
+    exact-exp) env=(BURN_NANOVLLM_SOFTMAX_EXP=exact) ;;
+    mask-all) env=(BURN_NANOVLLM_SOFTMAX_MASK=all) ;;
+    exact) env=(BURN_NANOVLLM_SOFTMAX_EXP=exact BURN_NANOVLLM_SOFTMAX_MASK=all) ;;
+  esac
+}
 for mode in "$@"; do
   case "$mode" in
     check)
@@ -55,12 +65,7 @@ for mode in "$@"; do
       ;;
     ours)
       for form in fast exact-exp mask-all exact; do
-        env=()
-        case "$form" in
-          exact-exp) env=(BURN_NANOVLLM_SOFTMAX_EXP=exact) ;;
-          mask-all) env=(BURN_NANOVLLM_SOFTMAX_MASK=all) ;;
-          exact) env=(BURN_NANOVLLM_SOFTMAX_EXP=exact BURN_NANOVLLM_SOFTMAX_MASK=all) ;;
-        esac
+        form_env "$form"
         env "${env[@]}" timeout 240 /tmp/bin/benches ${SUITES:-decode prefill} --device cuda --ours-only \
           --out "$OUT/attention-$form.json" > "$OUT/attention-$form.log" 2>&1
         echo "== $form exit $?"; grep -E "^qwen" "$OUT/attention-$form.log" | cut -d, -f1-4,8-10
@@ -84,8 +89,7 @@ for mode in "$@"; do
     e2e)
       for model in "${mode_args[@]:1}"; do
         for form in exact fast; do
-          env=()
-          [ "$form" = exact ] && env=(BURN_NANOVLLM_SOFTMAX_EXP=exact BURN_NANOVLLM_SOFTMAX_MASK=all)
+          form_env "$form"
           for run in "long:throughput --num-prompts 32 --input-len 8192 --output-len 128" \
                      "short:throughput --num-prompts 1000 --input-len 512 --output-len 128" \
                      "ttft:latency --batch-size 1 --input-len 8192 --output-len 1 --iters 5"; do
@@ -101,13 +105,12 @@ for mode in "$@"; do
     serve)
       for model in "${mode_args[@]:1}"; do
         for form in exact fast; do
-          env=()
-          [ "$form" = exact ] && env=(BURN_NANOVLLM_SOFTMAX_EXP=exact BURN_NANOVLLM_SOFTMAX_MASK=all)
+          form_env "$form"
           env "${env[@]}" timeout 200 /tmp/bin/benches serve --device cuda --dummy "$model" \
             --num-prompts 200 --input-len 2048 --output-len 64 --request-rate 16 \
             --seed $((RANDOM * 7 + 1)) --out "$OUT/serve-$form-$model.json" \
             > "$OUT/serve-$form-$model.log" 2>&1
-          echo "== $form $model exit $?"; grep -E "^(model|qwen|rate)" "$OUT/serve-$form-$model.log" | tail -2
+          echo "== $form $model exit $?"; grep -E "^(target|in-process)" "$OUT/serve-$form-$model.log" | tail -2
         done
       done
       break
