@@ -29,6 +29,9 @@ pub(crate) struct DeviceCaps {
     pub shared_bytes: usize,
     /// Most units one cube may have.
     pub max_cube_units: usize,
+    /// PTX's paired FP8 conversions (`cvt.rn.f16x2.e4m3x2`): a CUDA device of compute
+    /// capability ≥ 8.9, the devices whose runtime offers FP8 `mma`.
+    pub fp8_convert: bool,
 }
 
 impl DeviceCaps {
@@ -62,6 +65,13 @@ impl DeviceCaps {
             cache_bytes: props.hardware.last_level_cache_size,
             shared_bytes: props.hardware.max_shared_memory_size,
             max_cube_units: props.hardware.max_units_per_cube as usize,
+            fp8_convert: client.name() == "cuda"
+                && props
+                    .features
+                    .matmul
+                    .mma
+                    .iter()
+                    .any(|c| c.a_type == ElemType::Float(FloatKind::E4M3)),
         }
     }
 

@@ -70,6 +70,9 @@ pub(crate) struct Knobs {
     /// `BURN_NANOVLLM_SOFTMAX_MASK=all`: the tensor-core attention kernels mask every stage, not
     /// only those that reach past a row's causal limit.
     pub softmax_mask_all: bool,
+    /// `BURN_NANOVLLM_FP8_DECODE=bits`: the attention kernels decode an FP8 cache's codes by
+    /// bit placement even where PTX's paired conversion lowers.
+    pub fp8_decode_bits: bool,
     /// `BURN_NANOVLLM_ALL_REDUCE_BLOCKS=cubes`: cubes of the IPC kernels at most (default: one
     /// per multiprocessor, at most 128).
     pub all_reduce_blocks: Option<usize>,
@@ -113,6 +116,7 @@ impl Knobs {
             softmax_exact_exp: std::env::var("BURN_NANOVLLM_SOFTMAX_EXP")
                 .is_ok_and(|v| v == "exact"),
             softmax_mask_all: std::env::var("BURN_NANOVLLM_SOFTMAX_MASK").is_ok_and(|v| v == "all"),
+            fp8_decode_bits: std::env::var("BURN_NANOVLLM_FP8_DECODE").is_ok_and(|v| v == "bits"),
             all_reduce_blocks: numbers("BURN_NANOVLLM_ALL_REDUCE_BLOCKS").map(|[c]| c),
         }
     }

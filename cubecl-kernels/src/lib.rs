@@ -66,7 +66,7 @@ mod device_caps;
 mod device_read;
 mod error;
 pub mod fast_exp;
-mod fp8_codes;
+pub mod fp8_codes;
 pub mod fp8_linear;
 mod gpu_timeline;
 mod host_upload;

@@ -8,11 +8,11 @@ mod kernels {
     mod collective;
     pub mod common;
     mod cpu_builtins;
-    #[cfg(feature = "cuda")]
-    mod fast_exp;
     mod fp8_kv;
     mod fp8_linear;
     mod host_io;
+    #[cfg(feature = "cuda")]
+    mod inline_ptx;
     mod linear;
     mod model_shapes;
     mod sampling;

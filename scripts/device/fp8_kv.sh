@@ -14,10 +14,14 @@
 #   fp8_kv.sh linear MODEL...   (dist-b/benches.xz): every product of each model at decode and
 #       prefill sizes, bf16 and FP8 weights.
 #   fp8_kv.sh attention   (dist-b/benches.xz): the decode and prefill attention suites over a
-#       bf16 and an FP8 cache, both head shapes.
+#       bf16 and an FP8 cache, both head shapes; KVS the cache forms (default "auto fp8
+#       fp8-bits"), MODELS the head shapes (default "qwen2-0.5b,qwen3-0.6b").
 #   fp8_kv.sh bench MODEL...   (dist-b/benches.xz): bench.py on random weights of each model's
 #       config with the bf16 cache, then FP8 (E4M3), back to back; QUANT=fp8 with FP8 weights,
-#       KVS="auto fp8" the cache formats.
+#       KVS="auto fp8" the cache forms.
+# A cache form is a --kv-cache-dtype name, or NAME-bits: that format with its codes decoded by
+# bit placement instead of PTX's paired conversion (BURN_NANOVLLM_FP8_DECODE=bits; the FP8
+# weights' one-row kernel too).
 #   fp8_kv.sh peers MODEL...   (.peerkit, installed by carrying .pk0, .pk1, .pk2 in turn and
 #       running their install.sh): vLLM 0.24's bench.py with kv_cache_dtype="fp8" on a folder of
 #       each model's config (load_format="dummy"), $VLLM_KV (default fp8; "auto" for bf16),
@@ -28,10 +32,18 @@ set -uo pipefail
 source "$(dirname "$0")/unpack.sh"
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader
 mode=${1:-kernels}
+# Runs "$@" with the cache form $KV (see above) appended.
+with_kv() {
+  if [[ $KV == *-bits ]]; then
+    BURN_NANOVLLM_FP8_DECODE=bits "$@" --kv-cache-dtype "${KV%-bits}"
+  else
+    "$@" --kv-cache-dtype "$KV"
+  fi
+}
 shift || true
 case "$mode" in
   kernels)
-    KERNEL_TEST_DEVICE=cuda timeout 400 /tmp/bin/kernels fp8 attention store_kv batch_invariance \
+    KERNEL_TEST_DEVICE=cuda timeout 400 /tmp/bin/kernels fp8 attention store_kv batch_invariance inline_ptx \
       --test-threads 1 2>&1 | tee "$OUT/kernels-cuda.log" | grep -E "^test |test result|panicked" | cut -c1-300
     ;;
   engine)
@@ -51,8 +63,9 @@ case "$mode" in
     echo "exit $?"; grep -E "^qwen" "$OUT/linear-fp8.log" | cut -d, -f1-8,14
     ;;
   attention)
-    for kv in auto fp8; do
-      timeout 240 /tmp/bin/benches decode prefill --device cuda --kv-cache-dtype "$kv" \
+    for kv in ${KVS:-auto fp8 fp8-bits}; do
+      KV=$kv with_kv timeout 240 /tmp/bin/benches decode prefill --device cuda \
+        --models "${MODELS:-qwen2-0.5b,qwen3-0.6b}" \
         --out "$OUT/attention-$kv.json" > "$OUT/attention-$kv.log" 2>&1
       echo "== $kv exit $?"; grep -E "^qwen" "$OUT/attention-$kv.log" | cut -d, -f1-3,7-8
     done
@@ -63,7 +76,7 @@ case "$mode" in
       for kv in ${KVS:-auto fp8}; do
         name="nano-$model-$kv${QUANT:+-w$QUANT}${TAG:+-$TAG}"
         echo "== $name"
-        timeout 300 /tmp/bin/benches nano --device cuda --dummy "$model" --kv-cache-dtype "$kv" \
+        KV=$kv with_kv timeout 300 /tmp/bin/benches nano --device cuda --dummy "$model" \
           --quantization "$quant" --out "$OUT/$name.json" > "$OUT/$name.log" 2>&1
         echo "exit $?"; head -n 1 "$OUT/$name.log" | cut -c1-200
         grep -E "^$model" "$OUT/$name.log" | tail -n 1 | cut -d, -f1-8,12,14-15,24

@@ -7,7 +7,6 @@ use cubecl::prelude::*;
 use cubecl::zspace::metadata::Metadata;
 
 use crate::KernelError;
-use crate::fp8_codes::decode_f32;
 
 /// Paged key/value storage of one attention layer, allocated once and written in place.
 ///
@@ -317,50 +316,4 @@ pub(crate) fn cache_row(
     #[comptime] block_size: usize,
 ) -> usize {
     (block * kv_heads + kvh) * block_size + offset
-}
-
-/// A cube's kv head scales `(key, value)` from `scales [2 · kv_heads]` (see [`KvQuant`]); 1 when
-/// the cache is not FP8 (then `scales` is a placeholder and is not read).
-#[cube]
-pub(crate) fn head_scales(
-    scales: &cubecl::prelude::Tensor<f32>,
-    kvh: usize,
-    #[comptime] kv_heads: usize,
-    #[comptime] kv: KvCacheDtype,
-) -> (f32, f32) {
-    let mut ks = 1.0f32;
-    let mut vs = 1.0f32;
-    if comptime!(kv.is_fp8()) {
-        ks = scales[kvh];
-        vs = scales[kv_heads + kvh];
-    }
-    (ks, vs)
-}
-
-/// A cache vector as f32: FP8 codes decoded exactly (`crate::fp8_codes`), others cast.
-#[cube]
-pub(crate) fn load_f32<KV: Float, NV: Size>(
-    x: Vector<KV, NV>,
-    #[comptime] kv: KvCacheDtype,
-) -> Vector<f32, NV> {
-    if comptime!(kv.is_fp8()) {
-        decode_f32(x, comptime!(kv == KvCacheDtype::Fp8E5M2))
-    } else {
-        Vector::<f32, NV>::cast_from(x)
-    }
-}
-
-/// A cache vector as `F`: FP8 codes decoded ([`load_f32`]) and multiplied by `scale`, others
-/// as they are (the cache already holds `F`).
-#[cube]
-pub(crate) fn dequantise<KV: Float, F: Float, NV: Size>(
-    x: Vector<KV, NV>,
-    scale: f32,
-    #[comptime] kv: KvCacheDtype,
-) -> Vector<F, NV> {
-    if comptime!(kv.is_fp8()) {
-        Vector::<F, NV>::cast_from(load_f32(x, kv) * Vector::new(scale))
-    } else {
-        Vector::<F, NV>::cast_from(x)
-    }
 }

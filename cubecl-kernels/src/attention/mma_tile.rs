@@ -27,7 +27,8 @@
 use cubecl::cmma::{MatrixIdent, MmaDefinition};
 use cubecl::prelude::*;
 
-use super::kv_cache::{KvCacheDtype, cache_row, load_f32};
+use super::kv_cache::cache_row;
+use super::kv_read::{KvRead, load_as};
 use crate::fast_exp::{FAST_EXP_LOWERED, LOG2_E, exp2_approx};
 use crate::knobs::Knobs;
 
@@ -140,7 +141,7 @@ pub fn put_kv<F: Float, KV: Float, NV: Size>(
     unit: usize,
     kr: &Array<Vector<KV, NV>>,
     vr: &Array<Vector<KV, NV>>,
-    #[comptime] kv: KvCacheDtype,
+    #[comptime] kv: KvRead,
     #[comptime] st: KvStage,
 ) {
     let dv = comptime!(st.head_dim / 8);
@@ -152,13 +153,8 @@ pub fn put_kv<F: Float, KV: Float, NV: Size>(
         let idx = i * comptime!(st.units) + unit;
         if exact || idx < total {
             let at = offset + (idx / dv) * (dv + 1) + idx % dv;
-            if comptime!(kv.is_fp8()) {
-                k_s[at] = Vector::<F, NV>::cast_from(load_f32(kr[i], kv));
-                v_s[at] = Vector::<F, NV>::cast_from(load_f32(vr[i], kv));
-            } else {
-                k_s[at] = Vector::<F, NV>::cast_from(kr[i]);
-                v_s[at] = Vector::<F, NV>::cast_from(vr[i]);
-            }
+            k_s[at] = load_as::<KV, F, NV>(kr[i], kv);
+            v_s[at] = load_as::<KV, F, NV>(vr[i], kv);
         }
     }
 }
@@ -176,7 +172,7 @@ pub fn put_kv<F: Float, KV: Float, NV: Size>(
 pub fn attend_kv_stream<F: Float, KV: Float, NV: Size, NP: Size>(
     k_cache: &Tensor<Vector<KV, NV>>,
     v_cache: &Tensor<Vector<KV, NV>>,
-    #[comptime] kv: KvCacheDtype,
+    #[comptime] kv: KvRead,
     block_tables: &Tensor<i32>,
     table_row: usize,
     #[comptime] block_size: usize,

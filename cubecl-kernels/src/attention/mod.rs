@@ -11,6 +11,7 @@
 
 pub(crate) mod decode;
 pub(crate) mod kv_cache;
+mod kv_read;
 mod metadata;
 mod mma_tile;
 mod ops;

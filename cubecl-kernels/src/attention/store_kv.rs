@@ -63,7 +63,8 @@ pub struct QkvLayout {
 pub(crate) mod kernel {
     use cubecl::prelude::*;
 
-    use crate::attention::kv_cache::{cache_row, head_scales};
+    use crate::attention::kv_cache::cache_row;
+    use crate::attention::kv_read::head_scales;
     use crate::row_scale::row_inv_rms;
 
     /// Comptime part of the launch.
@@ -288,7 +289,7 @@ pub(crate) mod kernel {
             scale = f32::inverse_sqrt(total / f32::cast_from(d) + eps);
         }
 
-        let (ks, vs) = head_scales(kv_scales, kv_head, cfg.kv_heads, cfg.kv);
+        let (ks, vs) = head_scales(kv_scales, kv_head, cfg.kv_heads, comptime!(cfg.kv.is_fp8()));
         let slot = max(slot, 0) as usize;
         let cache_base = cache_row(
             slot / cfg.block_size,

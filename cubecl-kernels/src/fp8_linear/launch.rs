@@ -220,12 +220,14 @@ fn skinny(
     let [m, k] = [xq.meta.shape()[0], xq.meta.shape()[1]];
     let n = w.meta.shape()[0];
     let client = xq.client.clone();
+    let caps = DeviceCaps::of(&client);
     let y = empty_device_dtype(client.clone(), xq.device.clone(), Shape::new([m, n]), dtype);
     let cfg = SkinnyConfig {
         has_bias: bias.is_some(),
         has_add: add.is_some(),
         fp8: true,
-        ..skinny_config(m, &DeviceCaps::of(&client))
+        fp8_ptx: crate::fp8_codes::ptx_decodes(&caps),
+        ..skinny_config(m, &caps)
     };
     let vec = vector_size(DType::U8, &[k, xq.meta.strides()[0], w.meta.strides()[0]]);
     // Absent operands (and the norm's, never applied here) are bound to `y` and never read.

@@ -19,7 +19,7 @@
 
 use cubecl::prelude::*;
 
-use crate::fp8_codes::decode_f32;
+use crate::fp8_codes::{decode_f32, decode_ptx};
 
 /// Launch-time choices of [`linear_skinny`].
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
@@ -41,6 +41,8 @@ pub struct SkinnyConfig {
     /// `x` and `W` hold E4M3 codes (`X` an FP8 type) quantised per row: each dot product is
     /// multiplied by `x_scales[m] · w_scales[n]` (`crate::fp8_linear`); no norm.
     pub fp8: bool,
+    /// With `fp8`, the codes decoded by PTX's paired conversion (`crate::fp8_codes`).
+    pub fp8_ptx: bool,
 }
 
 /// Launch-time choices of [`linear_tiled`].
@@ -311,12 +313,12 @@ pub fn linear_skinny<F: Float, X: Float, NV: Size>(
             #[unroll]
             for mi in 0..cfg.m_tile {
                 let m = select(m0 + mi < m_total, m0 + mi, m_total - 1);
-                xs[mi] = loaded::<X, NV>(x[m * x_pitch + kv], cfg.fp8) * g;
+                xs[mi] = loaded::<X, NV>(x[m * x_pitch + kv], cfg.fp8, cfg.fp8_ptx) * g;
             }
             #[unroll]
             for r in 0..cfg.rows {
                 let n = select(n0 + r < n_total, n0 + r, n_total - 1);
-                let wv = loaded::<X, NV>(w[n * w_pitch + kv], cfg.fp8);
+                let wv = loaded::<X, NV>(w[n * w_pitch + kv], cfg.fp8, cfg.fp8_ptx);
                 #[unroll]
                 for mi in 0..cfg.m_tile {
                     let xv = xs[mi];
@@ -375,8 +377,14 @@ pub fn linear_skinny<F: Float, X: Float, NV: Size>(
 
 /// An operand vector of [`linear_skinny`] as f32: E4M3 codes decoded, others cast.
 #[cube]
-fn loaded<X: Float, NV: Size>(v: Vector<X, NV>, #[comptime] fp8: bool) -> Vector<f32, NV> {
-    if comptime!(fp8) {
+fn loaded<X: Float, NV: Size>(
+    v: Vector<X, NV>,
+    #[comptime] fp8: bool,
+    #[comptime] ptx: bool,
+) -> Vector<f32, NV> {
+    if comptime!(fp8 && ptx) {
+        decode_ptx::<X, f32, NV>(v, false)
+    } else if comptime!(fp8) {
         decode_f32(v, false)
     } else {
         Vector::<f32, NV>::cast_from(v)

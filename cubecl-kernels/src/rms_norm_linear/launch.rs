@@ -387,6 +387,7 @@ pub(crate) fn skinny_config(m: usize, caps: &DeviceCaps) -> SkinnyConfig {
         has_add: false,
         use_plane: caps.plane_ops,
         fp8: false,
+        fp8_ptx: false,
     }
 }
 

@@ -16,7 +16,7 @@
 use cubecl::cmma::{MatrixIdent, MmaDefinition};
 use cubecl::prelude::*;
 
-use super::super::kv_cache::{KvCacheDtype, head_scales};
+use super::super::kv_read::{KvRead, head_scales};
 use super::super::mma_tile::{
     KvStage, StageSoftmax, attend_kv_stream, finish_row_sums, load_q_fragments, start_rows,
 };
@@ -82,14 +82,14 @@ pub fn paged_decode_mma<F: Float, KV: Float, NV: Size>(
     #[comptime] block_size: usize,
     min_keys: usize,
     #[comptime] cfg: MmaGroupConfig,
-    #[comptime] kv: KvCacheDtype,
+    #[comptime] kv: KvRead,
     #[define(F, KV)] _dtypes: [ElemType; 2],
 ) {
     let def = MmaDefinition::<F, F, f32>::new(16usize, 8usize, 16usize);
     let size!(NP) = def.vector_size(MatrixIdent::A);
     let kvh = CUBE_POS_X as usize;
     // An FP8 cache's key scale rides in the scores' scale, its value scale in the output.
-    let (ks, vs) = head_scales(kv_scales, kvh, cfg.kv_heads, kv);
+    let (ks, vs) = head_scales(kv_scales, kvh, cfg.kv_heads, comptime!(kv.is_fp8()));
     let keys = split_keys(context_lens, min_keys, comptime!(cfg.step()));
     let (seq, start, end) = (keys.seq, keys.start, keys.end);
     let plane = PLANE_POS as usize;

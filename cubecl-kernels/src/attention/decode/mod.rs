@@ -268,6 +268,7 @@ pub(crate) fn paged_decode(
 ) {
     let (scale, order, kv_dtype) = (plan.scale, plan.order, plan.kv_dtype);
     let caps = DeviceCaps::of(&launch.q.client);
+    let kv_read = super::kv_read::KvRead::new(kv_dtype, &caps);
     let super::AttentionLaunch {
         q,
         out,
@@ -384,7 +385,7 @@ pub(crate) fn paged_decode(
                     block_size,
                     min_keys,
                     $cfg,
-                    kv_dtype,
+                    kv_read,
                     [dtype_to_storage_type(dtype), kv_dtype.storage(dtype)],
                 )
             };

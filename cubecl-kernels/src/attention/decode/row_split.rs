@@ -22,7 +22,8 @@
 use burn::tensor::DType;
 use cubecl::prelude::*;
 
-use super::super::kv_cache::{KvCacheDtype, cache_row, head_scales, load_f32};
+use super::super::kv_cache::cache_row;
+use super::super::kv_read::{KvRead, head_scales, load_f32};
 use super::{split_keys, write_merged};
 use crate::device_caps::DeviceCaps;
 
@@ -71,12 +72,12 @@ pub fn paged_decode_row_split<F: Float, KV: Float, NV: Size>(
     #[comptime] block_size: usize,
     min_keys: usize,
     #[comptime] cfg: RowSplitConfig,
-    #[comptime] kv: KvCacheDtype,
+    #[comptime] kv: KvRead,
     #[define(F, KV)] _dtypes: [ElemType; 2],
 ) {
     let kvh = CUBE_POS_X as usize;
     // An FP8 cache's key scale rides in the query's, its value scale in the output.
-    let (ks, vs) = head_scales(kv_scales, kvh, cfg.kv_heads, kv);
+    let (ks, vs) = head_scales(kv_scales, kvh, cfg.kv_heads, comptime!(kv.is_fp8()));
     let q_scale = scale * ks;
     let keys = split_keys(context_lens, min_keys, comptime!(cfg.tile * cfg.streams));
     let (seq, start, end) = (keys.seq, keys.start, keys.end);

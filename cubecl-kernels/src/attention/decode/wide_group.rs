@@ -16,7 +16,8 @@
 
 use cubecl::prelude::*;
 
-use super::super::kv_cache::{KvCacheDtype, cache_row, head_scales, load_f32};
+use super::super::kv_cache::cache_row;
+use super::super::kv_read::{KvRead, head_scales, load_f32};
 use super::{split_keys, write_piece};
 
 /// Comptime part of the launch.
@@ -135,12 +136,12 @@ pub fn paged_decode_wide_group<F: Float, KV: Float, NV: Size>(
     #[comptime] block_size: usize,
     min_keys: usize,
     #[comptime] cfg: WideGroupConfig,
-    #[comptime] kv: KvCacheDtype,
+    #[comptime] kv: KvRead,
     #[define(F, KV)] _dtypes: [ElemType; 2],
 ) {
     let kvh = CUBE_POS_X as usize;
     // An FP8 cache's key scale rides in the scores' scale, its value scale in the output.
-    let (ks, vs) = head_scales(kv_scales, kvh, cfg.kv_heads, kv);
+    let (ks, vs) = head_scales(kv_scales, kvh, cfg.kv_heads, comptime!(kv.is_fp8()));
     let score_scale = scale * ks;
     let keys = split_keys(context_lens, min_keys, cfg.cube_dim);
     let (seq, split, splits) = (keys.seq, keys.split, keys.splits);

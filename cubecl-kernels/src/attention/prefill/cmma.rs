@@ -14,7 +14,8 @@
 
 use cubecl::prelude::*;
 
-use super::super::kv_cache::{KvCacheDtype, cache_row, dequantise, head_scales};
+use super::super::kv_cache::cache_row;
+use super::super::kv_read::{KvRead, dequantise, head_scales};
 use super::tile_and_group;
 
 /// Comptime part of the tensor-core launch.
@@ -64,7 +65,7 @@ pub fn paged_prefill_cmma<F: Float, KV: Float, NV: Size>(
     scale: f32,
     #[comptime] block_size: usize,
     #[comptime] cfg: CmmaPrefillConfig,
-    #[comptime] kv_dtype: KvCacheDtype,
+    #[comptime] kv_dtype: KvRead,
     #[define(F, KV)] _dtypes: [ElemType; 2],
 ) {
     let (tile, h) = tile_and_group(cfg.heads);
@@ -79,7 +80,7 @@ pub fn paged_prefill_cmma<F: Float, KV: Float, NV: Size>(
     let dv = comptime!(cfg.head_dim / nv);
     let dfrags = comptime!(cfg.head_dim / 16);
     let kvh = h / comptime!(cfg.heads / cfg.kv_heads);
-    let (ks, vs) = head_scales(kv_scales, kvh, cfg.kv_heads, kv_dtype);
+    let (ks, vs) = head_scales(kv_scales, kvh, cfg.kv_heads, comptime!(kv_dtype.is_fp8()));
     // A padding tile of a captured step (sequence −1): nothing to read or write.
     if tiles[tile * 2] < 0 {
         terminate!();

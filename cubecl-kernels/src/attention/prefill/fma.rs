@@ -9,7 +9,8 @@
 
 use cubecl::prelude::*;
 
-use super::super::kv_cache::{KvCacheDtype, cache_row, head_scales};
+use super::super::kv_cache::cache_row;
+use super::super::kv_read::{KvRead, head_scales};
 use super::tile_and_group;
 
 /// Comptime part of the launch.
@@ -38,7 +39,7 @@ pub fn paged_prefill_fma<F: Float, KV: Float>(
     scale: f32,
     #[comptime] block_size: usize,
     #[comptime] cfg: PrefillConfig,
-    #[comptime] kv_dtype: KvCacheDtype,
+    #[comptime] kv_dtype: KvRead,
     #[define(F, KV)] _dtypes: [ElemType; 2],
 ) {
     let (tile, h) = tile_and_group(cfg.heads);
@@ -48,7 +49,7 @@ pub fn paged_prefill_fma<F: Float, KV: Float>(
     let qpad = comptime!(cfg.head_dim + 1);
     let spad = comptime!(cfg.block_k + 1);
     let kvh = h / comptime!(cfg.heads / cfg.kv_heads);
-    let (ks, vs) = head_scales(kv_scales, kvh, cfg.kv_heads, kv_dtype);
+    let (ks, vs) = head_scales(kv_scales, kvh, cfg.kv_heads, comptime!(kv_dtype.is_fp8()));
     // A padding tile of a captured step (sequence −1): nothing to read or write.
     if tiles[tile * 2] < 0 {
         terminate!();

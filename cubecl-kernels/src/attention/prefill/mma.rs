@@ -20,7 +20,7 @@
 use cubecl::cmma::{MatrixIdent, MmaDefinition};
 use cubecl::prelude::*;
 
-use super::super::kv_cache::{KvCacheDtype, head_scales};
+use super::super::kv_read::{KvRead, head_scales};
 use super::super::mma_tile::{
     KvStage, StageSoftmax, attend_kv_stream, finish_row_sums, load_q_fragments, start_rows,
 };
@@ -111,7 +111,7 @@ pub fn paged_prefill_mma<F: Float, KV: Float, NV: Size>(
     scale: f32,
     #[comptime] block_size: usize,
     #[comptime] cfg: MmaPrefillConfig,
-    #[comptime] kv: KvCacheDtype,
+    #[comptime] kv: KvRead,
     #[define(F, KV)] _dtypes: [ElemType; 2],
 ) {
     let def = MmaDefinition::<F, F, f32>::new(16usize, 8usize, 16usize);
@@ -127,7 +127,7 @@ pub fn paged_prefill_mma<F: Float, KV: Float, NV: Size>(
     let t = UNIT_POS_PLANE as usize % 4;
     let st = comptime!(cfg.stage());
     // An FP8 cache's key scale rides in the scores' scale, its value scale in the output.
-    let (ks, vs) = head_scales(kv_scales, kvh, cfg.kv_heads, kv);
+    let (ks, vs) = head_scales(kv_scales, kvh, cfg.kv_heads, comptime!(kv.is_fp8()));
     // A padding tile of a captured step (sequence −1): nothing to read or write.
     if tiles[tile * 2] < 0 {
         terminate!();

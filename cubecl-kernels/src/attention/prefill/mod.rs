@@ -251,7 +251,9 @@ pub(crate) fn paged_prefill(
     } = launch;
     let (heads, d, block_size, kv_heads) = (*heads, *d, *block_size, *kv_heads);
     let dtype = q.dtype;
-    let chosen = choose(&DeviceCaps::of(&q.client), dtype, heads, kv_heads, d, order);
+    let caps = DeviceCaps::of(&q.client);
+    let kv_read = super::kv_read::KvRead::new(kv_dtype, &caps);
+    let chosen = choose(&caps, dtype, heads, kv_heads, d, order);
     assert_eq!(
         chosen.block_q(),
         block_q,
@@ -302,7 +304,7 @@ pub(crate) fn paged_prefill(
                 scale,
                 block_size,
                 $cfg,
-                kv_dtype,
+                kv_read,
                 [dtype_to_storage_type(dtype), kv_dtype.storage(dtype)],
             )
         };
