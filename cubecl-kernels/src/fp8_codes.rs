@@ -2,10 +2,10 @@
 //! products. Two ways, both exact for every finite code (the writers saturate, so no NaN is
 //! stored):
 //!
-//! - [`decode_f32`], portable: a code's sign, exponent and mantissa placed in an f32's bits, then
+//! - [`decode_f32()`], portable: a code's sign, exponent and mantissa placed in an f32's bits, then
 //!   scaled by 2^(127 − bias): about seven instructions a code. CubeCL 0.11's LLVM route lowers
 //!   FP8 casts to a generic software conversion about four times as long (docs/BENCHMARKS.md).
-//! - [`decode_ptx`], CUDA devices of compute capability ≥ 8.9: PTX's `cvt.rn.f16x2.e4m3x2`
+//! - [`decode_ptx()`], CUDA devices of compute capability ≥ 8.9: PTX's `cvt.rn.f16x2.e4m3x2`
 //!   (or `.e5m2x2`) turns two codes into two halves in one instruction, written as inline PTX
 //!   that only the vendored cubecl-llvm lowers ([`PTX_CVT_LOWERED`], as
 //!   [`crate::fast_exp`]).
@@ -52,11 +52,11 @@ mod ptx {
         Vector::<f32, NV>::reinterpret(sign | rest) * Vector::new(factor)
     }
 
-    /// The values of a vector of FP8 codes `x` (E5M2 with `e5m2`, else E4M3) as `O`, two codes an
-    /// instruction by PTX's `cvt.rn.f16x2.{e4m3x2, e5m2x2}` (then cast from f16: nothing for f16,
-    /// one conversion for f32 or bf16). Vectors of 4, 8 or 16 codes; others take
-    /// [`decode_f32`]. Only in CUDA kernels on devices of compute capability ≥ 8.9, and only where
-    /// [`PTX_CVT_LOWERED`](super::PTX_CVT_LOWERED).
+    /// The values of a vector of FP8 codes `x` (E5M2 with `e5m2`, else E4M3) as `O`, two codes
+    /// an instruction by PTX's `cvt.rn.f16x2.{e4m3x2, e5m2x2}` (then cast from f16: nothing for
+    /// f16, one conversion for f32 or bf16). Vectors of 4, 8 or 16 codes; others take
+    /// [`decode_f32()`]. Only in CUDA kernels on devices of compute capability ≥ 8.9, and only
+    /// where [`PTX_CVT_LOWERED`](crate::fp8_codes::PTX_CVT_LOWERED).
     #[cube]
     pub fn decode_ptx<KV: Scalar, O: Float, NV: Size>(
         x: Vector<KV, NV>,
