@@ -25,6 +25,13 @@ pub(crate) struct Cli {
     /// (1,8,16,32,64,128,256,1024,4096 and 1,16,64,256).
     #[arg(long, value_delimiter = ',')]
     pub(crate) ms: Vec<usize>,
+    /// Batch sizes of the decode suite (comma-separated), instead of 1,16,64,256: one shape
+    /// alone for a profiler.
+    #[arg(long, value_delimiter = ',')]
+    pub(crate) batches: Vec<usize>,
+    /// Context lengths of the decode suite (comma-separated), instead of 128,1024,4096,16384.
+    #[arg(long, value_delimiter = ',')]
+    pub(crate) contexts: Vec<usize>,
     /// Skip Burn's own ops (the baselines) in the linear and step suites.
     #[arg(long)]
     pub(crate) ours_only: bool,

@@ -131,11 +131,17 @@ fn main() -> Result<()> {
         }
     }
     if want(Suite::Decode) {
-        let (bs, ctx): (&[usize], &[usize]) = if q {
+        let (mut bs, mut ctx): (&[usize], &[usize]) = if q {
             (&[1, 4], &[128, 300])
         } else {
             (&[1, 16, 64, 256], &[128, 1024, 4096, 16384])
         };
+        if !cli.batches.is_empty() {
+            bs = &cli.batches;
+        }
+        if !cli.contexts.is_empty() {
+            ctx = &cli.contexts;
+        }
         for model in &cli.models {
             let c = config(model)?;
             let kv = cli.kv_cache_dtype;

@@ -22,6 +22,8 @@
 # A cache form is a --kv-cache-dtype name, or NAME-bits: that format with its codes decoded by
 # bit placement instead of PTX's paired conversion (BURN_NANOVLLM_FP8_DECODE=bits; the FP8
 # weights' one-row kernel too).
+#   fp8_kv.sh profile   (dist-b/benches.xz): Nsight Compute on one tensor-core decode launch
+#       (256 x 16,384 keys), each cache form in KVS.
 #   fp8_kv.sh peers MODEL...   (.peerkit, installed by carrying .pk0, .pk1, .pk2 in turn and
 #       running their install.sh): vLLM 0.24's bench.py with kv_cache_dtype="fp8" on a folder of
 #       each model's config (load_format="dummy"), $VLLM_KV (default fp8; "auto" for bf16),
@@ -81,6 +83,42 @@ case "$mode" in
         echo "exit $?"; head -n 1 "$OUT/$name.log" | cut -c1-200
         grep -E "^$model" "$OUT/$name.log" | tail -n 1 | cut -d, -f1-8,12,14-15,24
       done
+    done
+    ;;
+  profile)
+    # Nsight Compute on one launch of the tensor-core decode kernel at Qwen2-0.5B's heads, 256
+    # sequences of 16,384 keys, for each cache form in KVS (default "auto fp8"): duration,
+    # issue, occupancy, DRAM throughput and the warps' main stall reasons.
+    for kv in ${KVS:-auto fp8}; do
+      KV=$kv with_kv timeout 120 ncu --kernel-name regex:paged_decode_mma --launch-count 1 \
+        --section SpeedOfLight --section Occupancy --section LaunchStats \
+        --section WarpStateStats --section SchedulerStats --section InstructionStats \
+        --csv --page raw --print-units base \
+        /tmp/bin/benches decode --device cuda --models "${MODELS:-qwen2-0.5b}" \
+        --batches 256 --contexts 16384 > "$OUT/ncu-decode-$kv.csv" 2> "$OUT/ncu-decode-$kv.err"
+      echo "== $kv ncu exit $?"
+      python3 - "$OUT/ncu-decode-$kv.csv" <<'PY'
+import csv, sys, re
+rows = [r for r in csv.reader(open(sys.argv[1])) if len(r) > 10]
+if len(rows) < 3:
+    sys.exit("no profiled launch")
+h = rows[0]
+want = re.compile(r"gpu__time_duration\.sum|launch__grid_size|launch__registers_per_thread|"
+                  r"sm__warps_active\.avg\.pct_of_peak|smsp__issue_active\.avg\.pct|"
+                  r"dram__throughput\.avg\.pct_of_peak_sustained_elapsed|smsp__inst_executed\.sum$|"
+                  r"issue_stalled_.*_per_warp_active\.pct")
+out = []
+for name, v in zip(h, rows[2]):
+    if want.search(name):
+        try:
+            x = float(v.replace(",", ""))
+        except ValueError:
+            continue
+        if "stalled" in name and x < 5:
+            continue
+        out.append(f"{name.replace('smsp__warp_issue_stalled_', 'stall:')}={v}")
+print("  " + "; ".join(out))
+PY
     done
     ;;
   peers)
