@@ -30,7 +30,7 @@ pub(crate) struct DeviceCaps {
     /// Most units one cube may have.
     pub max_cube_units: usize,
     /// PTX's paired FP8 conversions (`cvt.rn.f16x2.e4m3x2`): a CUDA device of compute
-    /// capability ≥ 8.9, the devices whose runtime offers FP8 `mma`.
+    /// capability ≥ 8.9.
     pub fp8_convert: bool,
 }
 
@@ -66,12 +66,7 @@ impl DeviceCaps {
             shared_bytes: props.hardware.max_shared_memory_size,
             max_cube_units: props.hardware.max_units_per_cube as usize,
             fp8_convert: client.name() == "cuda"
-                && props
-                    .features
-                    .matmul
-                    .mma
-                    .iter()
-                    .any(|c| c.a_type == ElemType::Float(FloatKind::E4M3)),
+                && compute_capability(&props.identity.fingerprint).is_some_and(|cc| cc >= 89),
         }
     }
 
@@ -100,4 +95,11 @@ fn offers(configs: &[MmaConfig], dtype: DType, mnk: (u32, u32, u32)) -> bool {
             && c.cd_type == ElemType::Float(FloatKind::F32)
             && (c.m, c.n, c.k) == mnk
     })
+}
+
+/// The compute capability (`90` for 9.0) in a CUDA device's identity, `ptx_sm90`: what
+/// cubecl-cuda compiles against. (The LLVM route's feature list drops the FP8 `mma` forms that
+/// would otherwise tell an 8.9 device apart, so the identity is the one place that says it.)
+fn compute_capability(fingerprint: &str) -> Option<u32> {
+    fingerprint.strip_prefix("ptx_sm")?.parse().ok()
 }
