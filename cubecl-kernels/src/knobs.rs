@@ -70,8 +70,8 @@ pub(crate) struct Knobs {
     /// `BURN_NANOVLLM_SOFTMAX_MASK=all`: the tensor-core attention kernels mask every stage, not
     /// only those that reach past a row's causal limit.
     pub softmax_mask_all: bool,
-    /// `BURN_NANOVLLM_FP8_DECODE=bits`: the attention kernels decode an FP8 cache's codes by
-    /// bit placement even where PTX's paired conversion lowers.
+    /// `BURN_NANOVLLM_FP8_DECODE=bits`: the FP8 cache's attention kernels and the FP8 weights'
+    /// one-row product decode codes by bit placement even where PTX's paired conversion lowers.
     pub fp8_decode_bits: bool,
     /// `BURN_NANOVLLM_ALL_REDUCE_BLOCKS=cubes`: cubes of the IPC kernels at most (default: one
     /// per multiprocessor, at most 128).

@@ -19,9 +19,6 @@
 #   fp8_kv.sh bench MODEL...   (dist-b/benches.xz): bench.py on random weights of each model's
 #       config with the bf16 cache, then FP8 (E4M3), back to back; QUANT=fp8 with FP8 weights,
 #       KVS="auto fp8" the cache forms.
-# A cache form is a --kv-cache-dtype name, or NAME-bits: that format with its codes decoded by
-# bit placement instead of PTX's paired conversion (BURN_NANOVLLM_FP8_DECODE=bits; the FP8
-# weights' one-row kernel too).
 #   fp8_kv.sh profile   (dist-b/benches.xz): Nsight Compute on one tensor-core decode launch
 #       (256 x 16,384 keys), each cache form in KVS.
 #   fp8_kv.sh peers MODEL...   (.peerkit, installed by carrying .pk0, .pk1, .pk2 in turn and
@@ -29,6 +26,9 @@
 #       each model's config (load_format="dummy"), $VLLM_KV (default fp8; "auto" for bf16),
 #       VLLM_QUANT=fp8 for its FP8 weights (with scripts/device/vllm_stub/ on its path: the kit
 #       lacks compressed_tensors, which vLLM imports for any quantization).
+# A cache form is a --kv-cache-dtype name, or NAME-bits: that format with its codes decoded by
+# bit placement instead of PTX's paired conversion (BURN_NANOVLLM_FP8_DECODE=bits; the FP8
+# weights' one-row kernel too).
 # Logs go to $OUT.
 set -uo pipefail
 source "$(dirname "$0")/unpack.sh"
@@ -88,7 +88,8 @@ case "$mode" in
   profile)
     # Nsight Compute on one launch of the tensor-core decode kernel at Qwen2-0.5B's heads, 256
     # sequences of 16,384 keys, for each cache form in KVS (default "auto fp8"): duration,
-    # issue, occupancy, DRAM throughput and the warps' main stall reasons.
+    # issue, occupancy, DRAM activity and the warps' main stall reasons (stalled warps per issued
+# instruction, those of at least 0.5).
     for kv in ${KVS:-auto fp8}; do
       KV=$kv with_kv timeout 120 ncu --kernel-name regex:paged_decode_mma --launch-count 1 \
         --section SpeedOfLight --section Occupancy --section LaunchStats \
@@ -105,8 +106,8 @@ if len(rows) < 3:
 h = rows[0]
 want = re.compile(r"gpu__time_duration\.sum|launch__grid_size|launch__registers_per_thread|"
                   r"sm__warps_active\.avg\.pct_of_peak|smsp__issue_active\.avg\.pct|"
-                  r"dram__throughput\.avg\.pct_of_peak_sustained_elapsed|smsp__inst_executed\.sum$|"
-                  r"issue_stalled_.*_per_warp_active\.pct")
+                  r"dram__cycles_active\.avg\.pct_of_peak_sustained_elapsed|smsp__inst_executed\.sum$|"
+                  r"smsp__average_warps_issue_stalled_.*_per_issue_active\.ratio")
 out = []
 for name, v in zip(h, rows[2]):
     if want.search(name):
@@ -114,9 +115,10 @@ for name, v in zip(h, rows[2]):
             x = float(v.replace(",", ""))
         except ValueError:
             continue
-        if "stalled" in name and x < 5:
+        if "stalled" in name and x < 0.5:
             continue
-        out.append(f"{name.replace('smsp__warp_issue_stalled_', 'stall:')}={v}")
+        name = re.sub(r"smsp__average_warps_issue_stalled_(.*)_per_issue_active\.ratio", r"stall:\1", name)
+        out.append(f"{name}={v}")
 print("  " + "; ".join(out))
 PY
     done
