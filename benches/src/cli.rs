@@ -52,8 +52,9 @@ pub(crate) struct Cli {
     /// dtype, engine options, command, the row), and the baseline CSV columns to its `.csv`.
     #[arg(long)]
     pub(crate) record: Option<PathBuf>,
-    /// Model of the engine suites (random weights of its config): qwen2-0.5b, qwen2-1.5b,
-    /// qwen2-7b, qwen2-32b, qwen2-72b (Qwen2.5-7B/32B/72B-Instruct's) or qwen3-0.6b.
+    /// Model of the engine suites and the step suite (random weights of its config):
+    /// qwen2-0.5b, qwen2-1.5b, qwen2-7b, qwen2-32b, qwen2-72b (Qwen2.5-7B/32B/72B-Instruct's)
+    /// or qwen3-0.6b.
     #[arg(long, default_value = "qwen2-0.5b")]
     pub(crate) dummy: String,
     /// Engine suites: a checkpoint folder or Hugging Face repo id (real weights) instead of
@@ -103,7 +104,8 @@ pub(crate) struct Cli {
     #[arg(long, default_value_t = 0.0)]
     pub(crate) json_fraction: f64,
     /// Engine suites: ranks the model is split over (tensor parallelism; also `-tp`): on CUDA
-    /// one process per GPU, --device's GPU and the ones after it.
+    /// one process per GPU, --device's GPU and the ones after it. The step suite: one rank's
+    /// share of the step (its heads and intermediate columns, without the sums).
     #[arg(long, default_value_t = 1)]
     pub(crate) tensor_parallel_size: usize,
     /// Engine suites: under tensor parallelism, split the embedding and LM head by vocabulary

@@ -162,7 +162,11 @@ fn main() -> Result<()> {
         }
     }
     if want(Suite::Step) {
-        let mut c = config("qwen2-0.5b")?;
+        // One rank's share under `-tp`: its heads and intermediate columns (the step times
+        // a rank's products and attention, without the sums over the ranks).
+        let whole = config(&cli.dummy)?;
+        let mut c =
+            model_qwen2::TpRank::new(0, cli.tensor_parallel_size, &whole)?.local_config(&whole);
         let default: &[usize] = if q { &[1, 4] } else { &[1, 16, 64, 256] };
         let ms = if cli.ms.is_empty() {
             default
@@ -173,13 +177,16 @@ fn main() -> Result<()> {
             c.num_hidden_layers = 2;
             c.vocab_size = 1000;
         }
+        let step_name = match cli.tensor_parallel_size {
+            1 => cli.dummy.clone(),
+            tp => format!("{} (rank share, TP {tp})", cli.dummy),
+        };
         let step_dtype = match cli.dtypes.first() {
             Some(d) => parse_dtype(d)?,
             None => dtype,
         };
-        tables.push(
-            decode_step::run("qwen2-0.5b", &c, ms, !cli.ours_only, &device, step_dtype).json(),
-        );
+        tables
+            .push(decode_step::run(&step_name, &c, ms, !cli.ours_only, &device, step_dtype).json());
     }
     let isolation = cli.suite.contains(&Suite::Isolation);
     let probe = cli.suite.contains(&Suite::Invariance);

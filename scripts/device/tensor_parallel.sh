@@ -16,6 +16,11 @@
 #       512 + 128 tokens, 3 iterations, alone in its process per spec.
 #   (nano and latency pass $BENCH_ARGS on to benches, e.g. BENCH_ARGS=--gpu-timeline for rank
 #   0's GPU busy and idle time per step, and add $BENCH_TAG to the log names.)
+#   tensor_parallel.sh step MODEL:TP...   (dist-b/benches.xz): one rank's share of a decode
+#       step (its heads and intermediate columns, attention over 1,024 keys a row, the LM head;
+#       no sums over the ranks) on one GPU, replayed as a CUDA graph, at $MS rows (default
+#       64,256): what the engine's step at that size spends beyond it is the sums, the sampler
+#       and the host.
 #   tensor_parallel.sh peers MODEL:TP...   (the peer kit installed in /tmp/site, its copy
 #       carried as .peerkit): vLLM 0.24's bench.py run (bench_peers.py --workload bench) at each
 #       spec, random weights of benches/configs/MODEL.json (load_format dummy) with the Qwen2
@@ -91,6 +96,15 @@ case "$mode" in
       env "${env[@]}" timeout 300 /tmp/bin/benches "${args[@]}" --device cuda --dummy "$model" \
         -tp "$tp" "${vocab[@]}" ${BENCH_ARGS:-} --out "$OUT/$name.json" 2>&1 | tee "$OUT/$name.log" | grep -E "^$model|blocks" | tail -n 3
       echo "exit ${PIPESTATUS[0]} after $(( $(date +%s) - start )) s"
+    done
+    ;;
+  step)
+    for spec in "$@"; do
+      IFS=: read -r model tp _ <<< "$spec"
+      echo "== step $model TP $tp share"
+      timeout 300 /tmp/bin/benches step --device cuda --dummy "$model" -tp "$tp" --ours-only \
+        --ms "${MS:-64,256}" --out "$OUT/step-$model-tp$tp.json" > "$OUT/step-$model-tp$tp.log" 2>&1
+      echo "exit $?"; tail -n 3 "$OUT/step-$model-tp$tp.log"
     done
     ;;
   peers)
