@@ -73,6 +73,9 @@ pub(crate) struct Knobs {
     /// `BURN_NANOVLLM_FP8_DECODE=bits`: the FP8 cache's attention kernels and the FP8 weights'
     /// one-row product decode codes by bit placement even where PTX's paired conversion lowers.
     pub fp8_decode_bits: bool,
+    /// `BURN_NANOVLLM_FP8_DECODE=bf16-stage`: the tensor-core decode kernel stages PTX-decoded
+    /// FP8 codes as the activations' dtype (bf16) instead of as f16 halves (for A/B runs).
+    pub fp8_stage_bf16: bool,
     /// `BURN_NANOVLLM_ALL_REDUCE_BLOCKS=cubes`: cubes of the IPC kernels at most (default: one
     /// per multiprocessor, at most 128).
     pub all_reduce_blocks: Option<usize>,
@@ -117,6 +120,8 @@ impl Knobs {
                 .is_ok_and(|v| v == "exact"),
             softmax_mask_all: std::env::var("BURN_NANOVLLM_SOFTMAX_MASK").is_ok_and(|v| v == "all"),
             fp8_decode_bits: std::env::var("BURN_NANOVLLM_FP8_DECODE").is_ok_and(|v| v == "bits"),
+            fp8_stage_bf16: std::env::var("BURN_NANOVLLM_FP8_DECODE")
+                .is_ok_and(|v| v == "bf16-stage"),
             all_reduce_blocks: numbers("BURN_NANOVLLM_ALL_REDUCE_BLOCKS").map(|[c]| c),
         }
     }

@@ -278,18 +278,19 @@ fn stream_barrier(#[comptime] plane_stream: bool) {
     }
 }
 
-/// Loads this lane's A fragments of Q: rows a and b start at `at_a` / `at_b` in `q` (zeros for
-/// an invalid row); pair `e` of k-step `s` is at columns `16s + 2t + 8·(e / 2)` of row a
-/// (`e` even) or b (`e` odd). `qa` has `4·D / 16` slots.
+/// Loads this lane's A fragments of Q as `M` (the MMA's input type; `q`'s own `F` or f16):
+/// rows a and b start at `at_a` / `at_b` in `q` (zeros for an invalid row); pair `e` of k-step
+/// `s` is at columns `16s + 2t + 8·(e / 2)` of row a (`e` even) or b (`e` odd). `qa` has
+/// `4·D / 16` slots.
 #[cube]
 #[allow(clippy::too_many_arguments)]
-pub fn load_q_fragments<F: Float, NP: Size>(
+pub fn load_q_fragments<F: Float, M: Float, NP: Size>(
     q: &Tensor<F>,
     at_a: usize,
     at_b: usize,
     valid_a: bool,
     valid_b: bool,
-    qa: &mut Array<Vector<F, NP>>,
+    qa: &mut Array<Vector<M, NP>>,
     #[comptime] head_dim: usize,
 ) {
     let t = UNIT_POS_PLANE as usize % 4;
@@ -298,15 +299,15 @@ pub fn load_q_fragments<F: Float, NP: Size>(
         #[unroll]
         for e in 0..4usize {
             let col = s * 16 + 2 * t + 8 * (e / 2);
-            let mut pair = Vector::<F, NP>::new(F::new(0.0));
+            let mut pair = Vector::<M, NP>::new(M::new(0.0));
             if e % 2 == 0 {
                 if valid_a {
-                    pair.insert(0usize, q[at_a + col]);
-                    pair.insert(1usize, q[at_a + col + 1]);
+                    pair.insert(0usize, M::cast_from(q[at_a + col]));
+                    pair.insert(1usize, M::cast_from(q[at_a + col + 1]));
                 }
             } else if valid_b {
-                pair.insert(0usize, q[at_b + col]);
-                pair.insert(1usize, q[at_b + col + 1]);
+                pair.insert(0usize, M::cast_from(q[at_b + col]));
+                pair.insert(1usize, M::cast_from(q[at_b + col + 1]));
             }
             qa[s * 4 + e] = pair;
         }

@@ -11,6 +11,13 @@
 //! needed) and attends to it as [`super::super::mma_tile`] describes (S, P and O in registers).
 //! The planes' states merge through shared memory at the end.
 //!
+//! FP8 caches decoded by PTX's paired conversion ([`MmaGroupConfig::f16_stage`]) are staged as
+//! the f16 halves that conversion yields, and Q and the probabilities as f16 too, so that the
+//! MMA runs on f16: no code is widened to f32 or repacked to bf16 (the kernel's issue slots, not
+//! its bytes, bounded it). E4M3 and E5M2 codes are exact in f16; Q rounds to f16 (its 10-bit
+//! mantissa holds every bf16 value in f16's range) and the probabilities lose less than in
+//! bf16.
+//!
 //! Memory layout: see [`super`]. CUDA only (NVIDIA's fragment layouts), bf16/f16.
 
 use cubecl::cmma::{MatrixIdent, MmaDefinition};
@@ -33,6 +40,9 @@ pub struct MmaGroupConfig {
     pub planes: usize,
     /// How each K/V chunk's softmax is computed.
     pub softmax: StageSoftmax,
+    /// The MMA's inputs are f16 whatever the activations' dtype (FP8 codes decoded by PTX's
+    /// paired conversion straight into the stages; see the module documentation).
+    pub f16_stage: bool,
 }
 
 impl MmaGroupConfig {
@@ -98,52 +108,64 @@ pub fn paged_decode_mma<F: Float, KV: Float, NV: Size>(
     let t = lane % 4;
     let group = cfg.group;
     let dtiles = comptime!(cfg.head_dim / 8);
-    let st = comptime!(cfg.stage());
     let table_row = seq * block_tables.stride(0);
 
     // Q as A fragments: rows are the group's heads (g and g + 8; zeros past the group).
     let valid_a = g < group;
     let valid_b = g + 8 < group;
-    let mut qa = Array::<Vector<F, NP>>::new(comptime!(4 * cfg.head_dim / 16));
-    load_q_fragments(
-        q,
-        seq * q.stride(0) + (kvh * group + g) * q.stride(1),
-        seq * q.stride(0) + (kvh * group + g + 8) * q.stride(1),
-        valid_a,
-        valid_b,
-        &mut qa,
-        cfg.head_dim,
-    );
+    let q_a = seq * q.stride(0) + (kvh * group + g) * q.stride(1);
+    let q_b = seq * q.stride(0) + (kvh * group + g + 8) * q.stride(1);
     let limit_a = select(valid_a, end, 0usize);
     let limit_b = select(valid_b, end, 0usize);
     let mut o = Array::<Vector<f32, NP>>::new(comptime!(2 * cfg.head_dim / 8));
     let mut state = Array::<f32>::new(4usize);
     start_rows(&mut o, &mut state, cfg.head_dim);
-
-    // Per plane: its own two K and two V stages.
-    attend_kv_stream::<F, KV, NV, NP>(
-        k_cache,
-        v_cache,
-        kv,
-        block_tables,
+    let stream = GroupStream {
         table_row,
-        block_size,
         kvh,
-        &qa,
-        &mut o,
-        &mut state,
-        start + plane * 16,
+        first: start + plane * 16,
         end,
-        plane * comptime!(2 * st.len()),
         lane,
+        plane,
         limit_a,
         limit_b,
-        scale * ks,
-        st,
-        comptime!(cfg.step()),
-        comptime!(2 * cfg.planes * st.len()),
-        true,
-    );
+        scale: scale * ks,
+    };
+    if comptime!(cfg.f16_stage) {
+        attend_group::<F, half::f16, KV, NV, NP>(
+            q,
+            k_cache,
+            v_cache,
+            block_tables,
+            q_a,
+            q_b,
+            valid_a,
+            valid_b,
+            &stream,
+            &mut o,
+            &mut state,
+            block_size,
+            cfg,
+            kv,
+        );
+    } else {
+        attend_group::<F, F, KV, NV, NP>(
+            q,
+            k_cache,
+            v_cache,
+            block_tables,
+            q_a,
+            q_b,
+            valid_a,
+            valid_b,
+            &stream,
+            &mut o,
+            &mut state,
+            block_size,
+            cfg,
+            kv,
+        );
+    }
 
     // Merge the planes: [planes][group][D] accumulators and [planes][group] (m, l).
     finish_row_sums(&mut state);
@@ -187,5 +209,69 @@ pub fn paged_decode_mma<F: Float, KV: Float, NV: Size>(
         cfg.group,
         cfg.head_dim,
         cfg.kv_heads,
+    );
+}
+
+/// Where a plane's key stream runs: its rows' block-table row and kv head, its first key and
+/// end, its lane and plane, the rows' key limits, and the scores' scale (the key scale in it).
+#[derive(CubeType, Clone, Copy)]
+struct GroupStream {
+    table_row: usize,
+    kvh: usize,
+    first: usize,
+    end: usize,
+    lane: usize,
+    plane: usize,
+    limit_a: usize,
+    limit_b: usize,
+    scale: f32,
+}
+
+/// Q's fragments as `M` and the plane's K/V stream through MMAs of `M` inputs (`M` = `F`, or
+/// f16 for an FP8 cache decoded by PTX).
+#[cube]
+#[allow(clippy::too_many_arguments)]
+fn attend_group<F: Float, M: Float, KV: Float, NV: Size, NP: Size>(
+    q: &Tensor<F>,
+    k_cache: &Tensor<Vector<KV, NV>>,
+    v_cache: &Tensor<Vector<KV, NV>>,
+    block_tables: &Tensor<i32>,
+    q_a: usize,
+    q_b: usize,
+    valid_a: bool,
+    valid_b: bool,
+    stream: &GroupStream,
+    o: &mut Array<Vector<f32, NP>>,
+    state: &mut Array<f32>,
+    #[comptime] block_size: usize,
+    #[comptime] cfg: MmaGroupConfig,
+    #[comptime] kv: KvRead,
+) {
+    let st = comptime!(cfg.stage());
+    let mut qa = Array::<Vector<M, NP>>::new(comptime!(4 * cfg.head_dim / 16));
+    load_q_fragments::<F, M, NP>(q, q_a, q_b, valid_a, valid_b, &mut qa, cfg.head_dim);
+    // Per plane: its own two K and two V stages.
+    attend_kv_stream::<M, KV, NV, NP>(
+        k_cache,
+        v_cache,
+        kv,
+        block_tables,
+        stream.table_row,
+        block_size,
+        stream.kvh,
+        &qa,
+        o,
+        state,
+        stream.first,
+        stream.end,
+        stream.plane * comptime!(2 * st.len()),
+        stream.lane,
+        stream.limit_a,
+        stream.limit_b,
+        stream.scale,
+        st,
+        comptime!(cfg.step()),
+        comptime!(2 * cfg.planes * st.len()),
+        true,
     );
 }

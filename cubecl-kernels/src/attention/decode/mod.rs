@@ -294,6 +294,7 @@ pub(crate) fn paged_decode(
             .decode_mma_planes
             .unwrap_or(MMA_PLANES),
         softmax: StageSoftmax::from_knobs(),
+        f16_stage: kv_read.ptx_cvt && !crate::knobs::Knobs::get().fp8_stage_bf16,
     };
     let kernel = if (WIDE_GROUP..=16).contains(&group)
         && mma.planes > 0

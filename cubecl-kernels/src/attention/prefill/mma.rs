@@ -152,7 +152,7 @@ pub fn paged_prefill_mma<F: Float, KV: Float, NV: Size>(
     let limit_b = select(valid_b, prefix + q0 + row_b + 1, 0usize);
 
     let mut qa = Array::<Vector<F, NP>>::new(comptime!(4 * cfg.head_dim / 16));
-    load_q_fragments(
+    load_q_fragments::<F, F, NP>(
         q,
         (q_start + q0 + row_a) * q.stride(0) + head_a * q.stride(1),
         (q_start + q0 + row_b) * q.stride(0) + head_b * q.stride(1),
