@@ -23,6 +23,7 @@ pub(crate) const fn placement(e5m2: bool) -> (u32, f32) {
     }
 }
 
+pub(crate) use ptx::load_codes;
 pub use ptx::{decode_f32, decode_ptx};
 
 /// Whether kernels on the device of `caps` decode FP8 codes by [`decode_ptx()`]: where it lowers
@@ -80,6 +81,25 @@ mod ptx {
             out = Vector::<O, NV>::cast_from(decode_f32(x, e5m2));
         }
         out
+    }
+
+    /// A vector of `X` as `O`: with `fp8`, FP8 codes (E5M2 with `e5m2`, else E4M3) decoded
+    /// exactly, unscaled, by [`decode_ptx()`] where `ptx`, else by [`decode_f32()`]; without,
+    /// cast. How every kernel that may read codes loads its operands.
+    #[cube]
+    pub(crate) fn load_codes<X: Float, O: Float, NV: Size>(
+        x: Vector<X, NV>,
+        #[comptime] fp8: bool,
+        #[comptime] ptx: bool,
+        #[comptime] e5m2: bool,
+    ) -> Vector<O, NV> {
+        if comptime!(fp8 && ptx) {
+            decode_ptx::<X, O, NV>(x, e5m2)
+        } else if comptime!(fp8) {
+            Vector::<O, NV>::cast_from(decode_f32(x, e5m2))
+        } else {
+            Vector::<O, NV>::cast_from(x)
+        }
     }
 
     /// Decodes the four codes of `word` (little-endian) into `out[at .. at + 4]`.

@@ -5,7 +5,7 @@ use cubecl::prelude::*;
 
 use super::kv_cache::KvCacheDtype;
 use crate::device_caps::DeviceCaps;
-use crate::fp8_codes::{decode_f32, decode_ptx, ptx_decodes};
+use crate::fp8_codes::{load_codes, ptx_decodes};
 
 /// A kernel's comptime view of the cache it reads: its format and whether FP8 codes are decoded
 /// by PTX's paired conversion (`fp8_codes::decode_ptx`: CUDA devices of compute capability ≥
@@ -55,19 +55,19 @@ pub(crate) fn head_scales(
     (ks, vs)
 }
 
-/// A cache vector as `O`: FP8 codes decoded exactly (unscaled), others cast.
+/// A cache vector as `O`: FP8 codes decoded exactly (unscaled), others cast
+/// ([`load_codes`]).
 #[cube]
 pub(crate) fn load_as<KV: Float, O: Float, NV: Size>(
     x: Vector<KV, NV>,
     #[comptime] kv: KvRead,
 ) -> Vector<O, NV> {
-    if comptime!(kv.ptx_cvt) {
-        decode_ptx::<KV, O, NV>(x, comptime!(kv.e5m2()))
-    } else if comptime!(kv.is_fp8()) {
-        Vector::<O, NV>::cast_from(decode_f32(x, comptime!(kv.e5m2())))
-    } else {
-        Vector::<O, NV>::cast_from(x)
-    }
+    load_codes::<KV, O, NV>(
+        x,
+        comptime!(kv.is_fp8()),
+        comptime!(kv.ptx_cvt),
+        comptime!(kv.e5m2()),
+    )
 }
 
 /// A cache vector as f32 ([`load_as`]).

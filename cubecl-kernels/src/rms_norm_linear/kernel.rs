@@ -19,7 +19,7 @@
 
 use cubecl::prelude::*;
 
-use crate::fp8_codes::{decode_f32, decode_ptx};
+use crate::fp8_codes::load_codes;
 
 /// Launch-time choices of [`linear_skinny`].
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
@@ -313,12 +313,14 @@ pub fn linear_skinny<F: Float, X: Float, NV: Size>(
             #[unroll]
             for mi in 0..cfg.m_tile {
                 let m = select(m0 + mi < m_total, m0 + mi, m_total - 1);
-                xs[mi] = loaded::<X, NV>(x[m * x_pitch + kv], cfg.fp8, cfg.fp8_ptx) * g;
+                // E4M3 codes decoded, others cast.
+                xs[mi] =
+                    load_codes::<X, f32, NV>(x[m * x_pitch + kv], cfg.fp8, cfg.fp8_ptx, false) * g;
             }
             #[unroll]
             for r in 0..cfg.rows {
                 let n = select(n0 + r < n_total, n0 + r, n_total - 1);
-                let wv = loaded::<X, NV>(w[n * w_pitch + kv], cfg.fp8, cfg.fp8_ptx);
+                let wv = load_codes::<X, f32, NV>(w[n * w_pitch + kv], cfg.fp8, cfg.fp8_ptx, false);
                 #[unroll]
                 for mi in 0..cfg.m_tile {
                     let xv = xs[mi];
@@ -372,22 +374,6 @@ pub fn linear_skinny<F: Float, X: Float, NV: Size>(
         }
         sync_cube();
         m0 += cfg.m_tile;
-    }
-}
-
-/// An operand vector of [`linear_skinny`] as f32: E4M3 codes decoded, others cast.
-#[cube]
-fn loaded<X: Float, NV: Size>(
-    v: Vector<X, NV>,
-    #[comptime] fp8: bool,
-    #[comptime] ptx: bool,
-) -> Vector<f32, NV> {
-    if comptime!(fp8 && ptx) {
-        decode_ptx::<X, f32, NV>(v, false)
-    } else if comptime!(fp8) {
-        decode_f32(v, false)
-    } else {
-        Vector::<f32, NV>::cast_from(v)
     }
 }
 
