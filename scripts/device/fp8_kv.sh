@@ -89,7 +89,7 @@ case "$mode" in
     # Nsight Compute on one launch of the tensor-core decode kernel at Qwen2-0.5B's heads, 256
     # sequences of 16,384 keys, for each cache form in KVS (default "auto fp8"): duration,
     # issue, occupancy, DRAM activity and the warps' main stall reasons (stalled warps per issued
-# instruction, those of at least 0.5).
+    # instruction, those of at least 0.5).
     for kv in ${KVS:-auto fp8}; do
       KV=$kv with_kv timeout 120 ncu --kernel-name regex:paged_decode_mma --launch-count 1 \
         --section SpeedOfLight --section Occupancy --section LaunchStats \
