@@ -6,7 +6,7 @@
 
 use burn::tensor::{DType, Device, Distribution, Tensor};
 use cubecl_kernels::rms_norm_linear::reference;
-use cubecl_kernels::{Fp8Rows, RowScale, fold_norm_gain};
+use cubecl_kernels::{Fp8Rows, Fp8Scaling, RowScale, fold_norm_gain};
 use model_qwen2::Qwen2Config;
 use serde_json::json;
 
@@ -110,7 +110,7 @@ pub fn run(
                 Form::Norm | Form::Activated => folded.clone(),
                 Form::Plain | Form::Residual => w.clone(),
             };
-            Fp8Rows::quantize(w).expect("FP8 weights on this device")
+            Fp8Rows::quantize(w, Fp8Scaling::for_weights()).expect("FP8 weights on this device")
         });
         for &m in ms {
             let x = normal([m, s.k], 1.0);

@@ -76,6 +76,9 @@ pub(crate) struct Knobs {
     /// `BURN_NANOVLLM_FP8_DECODE=bf16-stage`: the tensor-core decode kernel stages PTX-decoded
     /// FP8 codes as the activations' dtype (bf16) instead of as f16 halves (for A/B runs).
     pub fp8_stage_bf16: bool,
+    /// `BURN_NANOVLLM_FP8_SCALES=row`: FP8 weights quantised at load take one scale per output
+    /// feature (and their products per-row activation scales) instead of one per tensor.
+    pub fp8_scales_per_row: bool,
     /// `BURN_NANOVLLM_ALL_REDUCE_BLOCKS=cubes`: cubes of the IPC kernels at most (default: one
     /// per multiprocessor, at most 128).
     pub all_reduce_blocks: Option<usize>,
@@ -122,6 +125,7 @@ impl Knobs {
             fp8_decode_bits: std::env::var("BURN_NANOVLLM_FP8_DECODE").is_ok_and(|v| v == "bits"),
             fp8_stage_bf16: std::env::var("BURN_NANOVLLM_FP8_DECODE")
                 .is_ok_and(|v| v == "bf16-stage"),
+            fp8_scales_per_row: std::env::var("BURN_NANOVLLM_FP8_SCALES").is_ok_and(|v| v == "row"),
             all_reduce_blocks: numbers("BURN_NANOVLLM_ALL_REDUCE_BLOCKS").map(|[c]| c),
         }
     }

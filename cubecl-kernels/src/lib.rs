@@ -33,8 +33,8 @@
 //! | [`rope_store_kv`] | `qkv [T, (heads + 2·kv_heads)·d]`: deferred row scale, q/k norm + RoPE, k/v into the cache → `q [T, heads, d]` |
 //! | [`silu_mul()`] | `gate_up [T, 2·I]` → `silu(gate)·up [T, I]`, optionally completing a deferred RMSNorm row scale |
 //! | [`linear_add`] | `x [M, K]`, `W [N, K]`, `b [N]`, `residual [M, N]` → `x·Wᵀ + b + residual` |
-//! | [`Fp8Rows::quantize`] | `x [R, C]` → E4M3 codes `[R, C]` (carried as `[R, C/2]` f16) and scales `[R]`, row by row |
-//! | [`fp8_linear()`] | `x [M, K]`, FP8 `W [N, K]`, `b [N]`, `residual [M, N]` → `x·Wᵀ + b + residual`, `x` quantised per row |
+//! | [`Fp8Rows::quantize`] | `x [R, C]` → E4M3 codes `[R, C]` (carried as `[R, C/2]` f16) and scales `[R]`, per tensor or per row |
+//! | [`fp8_linear()`] | `x [M, K]`, FP8 `W [N, K]`, `b [N]`, `residual [M, N]` → `x·Wᵀ + b + residual`, `x` quantised as `W` is |
 //! | [`paged_attention`] | `q [T, heads, d]` over each sequence's cached context → `[T, heads, d]` |
 //! | [`sample`] | `logits [B, V]` (f32) → next tokens `[B]` (greedy, or seeded min-p/top-k/top-p draws) |
 //! | [`mask_logits`] | `logits [B, V]` (f32), `M` token bitmasks `[M, ⌈V/32⌉]` (u32) of rows `[M]` → disallowed tokens −∞, in place |
@@ -93,7 +93,7 @@ pub use cpu_builtins::load as load_cpu_builtins;
 pub use device::{DeviceKind, persistent};
 pub use device_read::{PendingInts, ReadSlot, read_ints_async};
 pub use error::KernelError;
-pub use fp8_linear::{Fp8Rows, fp8_linear, fp8_linear_support};
+pub use fp8_linear::{Fp8Rows, Fp8Scaling, fp8_linear, fp8_linear_support};
 pub use gpu_timeline::{GpuMark, MarkSlot, mark_stream};
 pub use host_upload::UploadBuffer;
 pub use host_write::{HostInts, scatter_ints, write_ints};

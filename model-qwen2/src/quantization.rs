@@ -13,9 +13,10 @@ pub enum Quantization {
     #[default]
     #[serde(rename = "none")]
     None,
-    /// FP8 E4M3 weights with one scale per output feature, quantised from the 16-bit
-    /// checkpoint at load; activations quantised per token on the fly
-    /// ([`cubecl_kernels::fp8_linear()`]). The layers' q/k/v, o, gate/up and down products; the
+    /// FP8 E4M3 weights with one scale per weight tensor (vLLM's online FP8; per output
+    /// feature with `BURN_NANOVLLM_FP8_SCALES=row`), quantised from the 16-bit checkpoint at
+    /// load; activations quantised on the fly, per tensor (per token in one-row and
+    /// batch-invariant products; [`cubecl_kernels::fp8_linear()`]). The layers' q/k/v, o, gate/up and down products; the
     /// embedding and the LM head stay in the model's dtype.
     #[serde(rename = "fp8")]
     Fp8,
@@ -59,6 +60,7 @@ impl Qwen2Model {
         }
         let device = self.embed_tokens.val().device();
         cubecl_kernels::fp8_linear_support(&device)?;
+        let scaling = cubecl_kernels::Fp8Scaling::for_weights();
         for layer in &mut self.layers {
             cubecl_kernels::persistent(&device, layer, |layer| {
                 for linear in [
@@ -67,7 +69,7 @@ impl Qwen2Model {
                     &mut layer.mlp.gate_up_proj,
                     &mut layer.mlp.down_proj,
                 ] {
-                    linear.quantize_fp8()?;
+                    linear.quantize_fp8(scaling)?;
                 }
                 Ok::<_, ModelError>(())
             })?;

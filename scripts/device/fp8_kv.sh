@@ -11,6 +11,8 @@
 #   fp8_kv.sh accuracy TEXT   (dist-b/benches.xz, models/tiny-english): perplexity of TEXT (a
 #       file the model did not train on), top-1 agreement with bf16 over up to 10,000
 #       positions, greedy continuations: bf16, fp8_e4m3 and fp8_e5m2 caches, FP8 weights, both.
+#       TAG names the logs (accuracy-TAG.log), as for `linear` (linear-fp8-TAG.log) and `bench`;
+#       BURN_NANOVLLM_FP8_SCALES=row takes the FP8 weights' per-row scales.
 #   fp8_kv.sh linear MODEL...   (dist-b/benches.xz): every product of each model at decode and
 #       prefill sizes, bf16 and FP8 weights.
 #   fp8_kv.sh attention   (dist-b/benches.xz): the decode and prefill attention suites over a
@@ -54,15 +56,17 @@ case "$mode" in
       | grep -E "^test |test result|panicked|NLL|left|right" | cut -c1-300
     ;;
   accuracy)
+    name="accuracy${TAG:+-$TAG}"
     timeout 500 /tmp/bin/benches kv-accuracy --device cuda --model models/tiny-english --text "$1" \
-      --positions 10000 --out "$OUT/accuracy.json" > "$OUT/accuracy.log" 2>&1
-    echo "exit $?"; grep -v "^graph\|^warm" "$OUT/accuracy.log" | tail -n 16 | cut -c1-400
+      --positions 10000 --out "$OUT/$name.json" > "$OUT/$name.log" 2>&1
+    echo "exit $?"; grep -v "^graph\|^warm" "$OUT/$name.log" | tail -n 16 | cut -c1-400
     ;;
   linear)
     models=$(IFS=,; echo "$*")
+    name="linear-fp8${TAG:+-$TAG}"
     timeout 400 /tmp/bin/benches linear --device cuda --linear-models "$models" --quantization fp8 \
-      --ms 1,16,64,256,1024,4096 --ours-only --out "$OUT/linear-fp8.json" > "$OUT/linear-fp8.log" 2>&1
-    echo "exit $?"; grep -E "^qwen" "$OUT/linear-fp8.log" | cut -d, -f1-8,14
+      --ms 1,16,64,256,1024,4096 --ours-only --out "$OUT/$name.json" > "$OUT/$name.log" 2>&1
+    echo "exit $?"; grep -E "^qwen" "$OUT/$name.log" | cut -d, -f1-8,14
     ;;
   attention)
     for kv in ${KVS:-auto fp8 fp8-bits}; do

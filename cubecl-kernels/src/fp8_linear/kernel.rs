@@ -1,9 +1,16 @@
-//! Device side of the FP8 linear family: the per-row quantisation and its inverse.
+//! Device side of the FP8 linear family: the quantisation (per row or per tensor) and its
+//! inverse.
 //!
 //! `quantize_rows`: one cube per row of `x [M, K]`; the units stride over the row in vectors of
 //! `NV`, reduce its largest magnitude over the cube, then write `round(x / scale)` as E4M3
-//! codes (`codes [M, K]`, one byte each, saturating, stored one at a time) and `scale = amax / 448` (1 for a row of
-//! zeros) to `scales [M]`. Each unit reads its elements twice (the second time from cache).
+//! codes (`codes [M, K]`, one byte each, saturating, stored one at a time) and
+//! `scale = amax / 448` (1 for a row of zeros) to `scales [M]`. Each unit reads its elements
+//! twice (the second time from cache).
+//!
+//! Per tensor (`amax_rows`, then `quantize_tensor`): one cube per row writes the row's largest
+//! magnitude to `amax [M]`; then each cube of the second launch reduces all of `amax` to the
+//! tensor's scale and writes the codes of rows `CUBE_POS_X, CUBE_POS_X + CUBE_COUNT_X, …` with
+//! it, and the scale to `scales[row]` of each (every entry the same).
 //!
 //! `dequantize_rows`: one unit per vector of `NV` codes, `out[m, k] = code · scales[m]` in f32.
 
@@ -26,11 +33,69 @@ pub(crate) fn quantize_rows<F: Float, Q: Float, NV: Size>(
     #[define(F, Q)] _dtypes: [ElemType; 2],
 ) {
     let row = CUBE_POS_X as usize;
+    let mut scratch = Shared::<[f32]>::new_slice(cube_dim);
+    let amax = cube_max(row_amax(x, row), &mut scratch, use_plane);
+    let scale = scale_of(amax);
+    write_codes(x, row, codes, scale);
+    if UNIT_POS_X == 0 {
+        scales[row] = scale;
+    }
+}
+
+/// See the module documentation.
+#[cube(launch_unchecked)]
+pub(crate) fn amax_rows<F: Float, NV: Size>(
+    x: &Tensor<Vector<F, NV>>,
+    amax: &mut Tensor<f32>,
+    #[comptime] cube_dim: usize,
+    #[comptime] use_plane: bool,
+    #[define(F)] _dtype: ElemType,
+) {
+    let row = CUBE_POS_X as usize;
+    let mut scratch = Shared::<[f32]>::new_slice(cube_dim);
+    let m = cube_max(row_amax(x, row), &mut scratch, use_plane);
+    if UNIT_POS_X == 0 {
+        amax[row] = m;
+    }
+}
+
+/// See the module documentation.
+#[cube(launch_unchecked)]
+pub(crate) fn quantize_tensor<F: Float, Q: Float, NV: Size>(
+    x: &Tensor<Vector<F, NV>>,
+    amax: &Tensor<f32>,
+    codes: &mut Tensor<Q>,
+    scales: &mut Tensor<f32>,
+    #[comptime] cube_dim: usize,
+    #[comptime] use_plane: bool,
+    #[define(F, Q)] _dtypes: [ElemType; 2],
+) {
+    let rows = x.shape(0);
+    let units = CUBE_DIM_X as usize;
+    let mut m = 0.0f32;
+    let mut r = UNIT_POS_X as usize;
+    while r < rows {
+        m = max(m, amax[r]);
+        r += units;
+    }
+    let mut scratch = Shared::<[f32]>::new_slice(cube_dim);
+    let scale = scale_of(cube_max(m, &mut scratch, use_plane));
+    let mut row = CUBE_POS_X as usize;
+    while row < rows {
+        write_codes(x, row, codes, scale);
+        if UNIT_POS_X == 0 {
+            scales[row] = scale;
+        }
+        row += CUBE_COUNT_X as usize;
+    }
+}
+
+/// This unit's largest magnitude of row `row` of `x` (its vectors strided by the cube).
+#[cube]
+fn row_amax<F: Float, NV: Size>(x: &Tensor<Vector<F, NV>>, row: usize) -> f32 {
     let nv = x.vector_size();
     let k_vecs = x.shape(1) / nv;
     let at = row * (x.stride(0) / nv);
-    let out_at = row * codes.stride(0);
-    let units = CUBE_DIM_X as usize;
     let mut amax = 0.0f32;
     let mut i = UNIT_POS_X as usize;
     while i < k_vecs {
@@ -39,14 +104,34 @@ pub(crate) fn quantize_rows<F: Float, Q: Float, NV: Size>(
         for j in 0..nv {
             amax = max(amax, f32::abs(v.extract(j)));
         }
-        i += units;
+        i += CUBE_DIM_X as usize;
     }
-    let mut scratch = Shared::<[f32]>::new_slice(cube_dim);
-    let amax = cube_max(amax, &mut scratch, use_plane);
+    amax
+}
+
+/// The scale mapping a largest magnitude `amax` to [`E4M3_MAX`] (1 for zeros).
+#[cube]
+fn scale_of(amax: f32) -> f32 {
     let mut scale = 1.0f32;
     if amax > 0.0 {
         scale = amax / E4M3_MAX;
     }
+    scale
+}
+
+/// Writes row `row` of `x` divided by `scale` as E4M3 codes, the cube's units striding over
+/// its vectors.
+#[cube]
+fn write_codes<F: Float, Q: Float, NV: Size>(
+    x: &Tensor<Vector<F, NV>>,
+    row: usize,
+    codes: &mut Tensor<Q>,
+    scale: f32,
+) {
+    let nv = x.vector_size();
+    let k_vecs = x.shape(1) / nv;
+    let at = row * (x.stride(0) / nv);
+    let out_at = row * codes.stride(0);
     let mut i = UNIT_POS_X as usize;
     while i < k_vecs {
         let v = Vector::<f32, NV>::cast_from(x[at + i]);
@@ -55,10 +140,7 @@ pub(crate) fn quantize_rows<F: Float, Q: Float, NV: Size>(
         for j in 0..nv {
             codes[out_at + i * nv + j] = Q::cast_from(v.extract(j) / scale);
         }
-        i += units;
-    }
-    if UNIT_POS_X == 0 {
-        scales[row] = scale;
+        i += CUBE_DIM_X as usize;
     }
 }
 

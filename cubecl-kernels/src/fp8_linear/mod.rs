@@ -1,15 +1,18 @@
 //! FP8 weights for the linear family (vLLM's `--quantization fp8` on a 16-bit checkpoint):
-//! weights quantised once to E4M3 with one f32 scale per output feature, activations quantised
-//! per row on the fly, the product `y = x · Wᵀ (+ b) (+ residual)` in the model's dtype.
+//! weights quantised once to E4M3 with one f32 scale per tensor (vLLM's online FP8) or per
+//! output feature ([`Fp8Scaling`]), activations quantised on the fly (per tensor or per row:
+//! `launch`'s module doc), the product `y = x · Wᵀ (+ b) (+ residual)` in the model's dtype.
 //!
 //! Quantisation of a matrix `[R, C]` row by row ([`Fp8Rows`]): `scale[r] = max_c |x[r, c]| / 448`
 //! (1 for a row of zeros), `code[r, c] = e4m3(x[r, c] / scale[r])` (round to nearest even,
-//! saturating), so `x[r, c] ≈ code[r, c] · scale[r]`. The product is
+//! saturating), so `x[r, c] ≈ code[r, c] · scale[r]`; per tensor the same with the largest
+//! magnitude of the whole matrix, its scale repeated in every row's entry. The product is
 //! `y[m, n] = scale_x[m] · scale_w[n] · Σ_k code_x[m, k] · code_w[n, k]`, the sum in f32.
 //!
 //! Routes: on CUDA devices with FP8 tensor cores (compute capability ≥ 8.9), cuBLASLt's FP8
-//! GEMM with per-row scale vectors (`rms_norm_linear/cublas.rs`: the bias as its epilogue, the
-//! residual as C with `beta = 1`, on CubeCL's stream and so inside CUDA graphs); on CubeCL's CPU
+//! GEMM with scalar scales (per tensor) or per-row scale vectors (`rms_norm_linear/cublas.rs`:
+//! the bias as its epilogue, the residual as C with `beta = 1`, on CubeCL's stream and so
+//! inside CUDA graphs); on CubeCL's CPU
 //! runtime (tests) and wherever cuBLASLt's FP8 product fails, an emulation with the same
 //! quantisation: the codes dequantised to f32 and multiplied by the f32 linear kernels.
 //! [`fp8_linear_support`] says whether a device runs it.
@@ -28,22 +31,49 @@ use burn::tensor::{DType, Device, Tensor};
 
 pub use self::ops::Fp8LinearOps;
 use crate::attention::KvCacheDtype;
+use crate::knobs::Knobs;
 use crate::{FP8_CARRIER, KernelError, ReductionOrder};
 
-/// A matrix quantised to FP8 E4M3 row by row (module doc): `x[r, c] ≈ code[r, c] · scales[r]`.
-/// A linear layer's weight `[N, K]` quantised this way has one scale per output feature.
+/// How a matrix's FP8 scales are shared.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum Fp8Scaling {
+    /// One scale for the whole matrix (vLLM's online FP8); the products then quantise their
+    /// activations per tensor too and take cuBLASLt's scalar-scale GEMM.
+    #[default]
+    PerTensor,
+    /// One scale per row (a weight's output feature); activations per row, cuBLASLt's
+    /// scale-vector GEMM.
+    PerRow,
+}
+
+impl Fp8Scaling {
+    /// The scaling of FP8 weights quantised at load: [`Fp8Scaling::PerTensor`], or per row with
+    /// `BURN_NANOVLLM_FP8_SCALES=row` (for A/B runs).
+    pub fn for_weights() -> Self {
+        if Knobs::get().fp8_scales_per_row {
+            Self::PerRow
+        } else {
+            Self::PerTensor
+        }
+    }
+}
+
+/// A matrix quantised to FP8 E4M3 (module doc): `x[r, c] ≈ code[r, c] · scales[r]`, one scale
+/// per row or one for the matrix repeated in each row's entry ([`Fp8Scaling`]).
 #[derive(Clone, Debug)]
 pub struct Fp8Rows {
     /// The E4M3 codes of `[R, C]`, carried two to an element: `[R, C / 2]`, [`FP8_CARRIER`].
     pub codes: Tensor<2>,
     /// `[R]` f32.
     pub scales: Tensor<1>,
+    /// Whether `scales` holds one scale per row or the tensor's in every entry.
+    pub scaling: Fp8Scaling,
 }
 
 impl Fp8Rows {
-    /// Quantises `x [R, C]` (f32, f16 or bf16; `C` even) row by row on its device, which must
-    /// run CubeCL kernels ([`fp8_linear_support`]).
-    pub fn quantize(x: Tensor<2>) -> Result<Self, KernelError> {
+    /// Quantises `x [R, C]` (f32, f16 or bf16; `C` even) with `scaling` on its device, which
+    /// must run CubeCL kernels ([`fp8_linear_support`]).
+    pub fn quantize(x: Tensor<2>, scaling: Fp8Scaling) -> Result<Self, KernelError> {
         let [_, c] = x.dims();
         if !matches!(x.dtype(), DType::F32 | DType::F16 | DType::BF16) {
             return Err(KernelError::invalid(format!(
@@ -62,10 +92,12 @@ impl Fp8Rows {
                 "FP8 quantisation runs on CubeCL devices (CUDA or CubeCL's CPU runtime)",
             ));
         }
-        let (codes, scales) = Dispatch::fp8_quantize_rows(x.into_dispatch());
+        let per_tensor = scaling == Fp8Scaling::PerTensor;
+        let (codes, scales) = Dispatch::fp8_quantize(x.into_dispatch(), per_tensor);
         Ok(Self {
             codes: Tensor::from_dispatch(codes),
             scales: Tensor::from_dispatch(scales),
+            scaling,
         })
     }
 
@@ -94,7 +126,7 @@ impl Fp8Rows {
 }
 
 /// `y = x · Wᵀ (+ b) (+ residual)` with `W` quantised to FP8 ([`Fp8Rows`] of `[N, K]`), `x`
-/// quantised per row on the fly (module doc).
+/// quantised on the fly, per tensor when `W` is (module doc).
 ///
 /// `x [M, K]` (f16 or bf16 on CUDA; f32 too on the CPU runtime), `bias [N]`, `residual
 /// [M, N]` of `x`'s dtype → `[M, N]` of `x`'s dtype. `order`: with
@@ -123,6 +155,9 @@ pub fn fp8_linear(
     if order == ReductionOrder::BatchInvariant {
         operands |= Fp8Operands::BATCH_INVARIANT;
     }
+    if weight.scaling == Fp8Scaling::PerTensor {
+        operands |= Fp8Operands::PER_TENSOR;
+    }
     let placeholder = || x.clone().into_dispatch();
     Tensor::from_dispatch(Dispatch::fp8_linear(
         x.clone().into_dispatch(),
@@ -146,6 +181,8 @@ impl Fp8Operands {
     pub const RESIDUAL: u32 = 2;
     /// [`ReductionOrder::BatchInvariant`].
     pub const BATCH_INVARIANT: u32 = 4;
+    /// The weight is quantised per tensor ([`Fp8Scaling::PerTensor`]).
+    pub const PER_TENSOR: u32 = 8;
 }
 
 /// Whether FP8 weights run on `device`: on CUDA devices of compute capability ≥ 8.9 where

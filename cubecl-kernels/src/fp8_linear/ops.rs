@@ -14,13 +14,16 @@ use crate::{FP8_CARRIER, ReductionOrder};
 /// [`super::Fp8Rows::quantize`] and [`super::fp8_linear`], which check arguments.
 #[backend_extension(Cube, Fusion)]
 pub trait Fp8LinearOps: Backend {
-    /// `x [R, C]` → its E4M3 codes row by row (`[R, C / 2]` [`FP8_CARRIER`]) and scales
-    /// (`[R]` f32).
+    /// `x [R, C]` → its E4M3 codes (`[R, C / 2]` [`FP8_CARRIER`]) and scales (`[R]` f32): one
+    /// scale per row, or with `per_tensor` one for the tensor, in every entry.
     #[fusion(meta = quantize_meta)]
-    fn fp8_quantize_rows(x: FloatTensor<Self>) -> (FloatTensor<Self>, FloatTensor<Self>);
+    fn fp8_quantize(
+        x: FloatTensor<Self>,
+        per_tensor: bool,
+    ) -> (FloatTensor<Self>, FloatTensor<Self>);
 
     /// `y [M, N] = x [M, K] · Wᵀ (+ bias [N]) (+ residual [M, N])`, `W` given by its codes
-    /// (`[N, K / 2]` carrier) and scales (`[N]` f32). `operands` ([`Fp8Operands`] bits) says
+    /// (`[N, K / 2]` carrier) and scales (`[N]` f32, all equal with [`Fp8Operands::PER_TENSOR`]). `operands` ([`Fp8Operands`] bits) says
     /// which of `bias` and `residual` are real; the others are placeholders, never read.
     #[fusion(meta = linear_meta)]
     fn fp8_linear(
@@ -33,7 +36,7 @@ pub trait Fp8LinearOps: Backend {
     ) -> FloatTensor<Self>;
 }
 
-fn quantize_meta(x: &TensorSpec) -> (TensorSpec, TensorSpec) {
+fn quantize_meta(x: &TensorSpec, _per_tensor: &bool) -> (TensorSpec, TensorSpec) {
     (
         TensorSpec::new(Shape::new([x.shape[0], x.shape[1] / 2]), FP8_CARRIER),
         TensorSpec::new(Shape::new([x.shape[0]]), DType::F32),
@@ -52,8 +55,11 @@ fn linear_meta(
 }
 
 impl Fp8LinearOps for CubeBackend {
-    fn fp8_quantize_rows(x: FloatTensor<Self>) -> (FloatTensor<Self>, FloatTensor<Self>) {
-        let (codes, scales) = launch::quantize_rows(x);
+    fn fp8_quantize(
+        x: FloatTensor<Self>,
+        per_tensor: bool,
+    ) -> (FloatTensor<Self>, FloatTensor<Self>) {
+        let (codes, scales) = launch::quantize(x, per_tensor);
         (crate::attention::kv_cache::bytes_as_carrier(codes), scales)
     }
 
@@ -77,6 +83,7 @@ impl Fp8LinearOps for CubeBackend {
             } else {
                 ReductionOrder::Fastest
             },
+            has(Fp8Operands::PER_TENSOR),
         )
     }
 }

@@ -3,8 +3,34 @@
 
 use burn::tensor::{DType, FloatDType, Tensor, TensorData};
 
-use super::Fp8Rows;
 use super::kernel::E4M3_MAX;
+use super::{Fp8Rows, Fp8Scaling};
+
+/// Quantises `x` (`rows × cols` f32, row-major) with `scaling` as the kernels do: the E4M3
+/// codes (`rows · cols` bytes) and the scales (`rows`; per tensor, the tensor's in each).
+pub fn quantize(x: &[f32], rows: usize, cols: usize, scaling: Fp8Scaling) -> (Vec<u8>, Vec<f32>) {
+    match scaling {
+        Fp8Scaling::PerRow => quantize_rows(x, rows, cols),
+        Fp8Scaling::PerTensor => quantize_tensor(x, rows, cols),
+    }
+}
+
+/// Quantises `x` (`rows × cols` f32, row-major) with one scale, its largest magnitude over
+/// 448 (1 for zeros), repeated for every row.
+pub fn quantize_tensor(x: &[f32], rows: usize, cols: usize) -> (Vec<u8>, Vec<f32>) {
+    assert_eq!(
+        x.len(),
+        rows * cols,
+        "quantize_tensor: x is not rows × cols"
+    );
+    let amax = x.iter().fold(0.0f32, |m, v| m.max(v.abs()));
+    let scale = if amax > 0.0 { amax / E4M3_MAX } else { 1.0 };
+    let codes = x
+        .iter()
+        .map(|&v| cubecl::e4m3::from_f32(v / scale).to_bits())
+        .collect();
+    (codes, vec![scale; rows])
+}
 
 /// Quantises `x` (`rows × cols` f32, row-major) row by row as the kernel does: the E4M3 codes
 /// (`rows · cols` bytes) and the scales (`rows`).
@@ -33,8 +59,9 @@ pub fn dequantize_rows(codes: &[u8], scales: &[f32], cols: usize) -> Vec<f32> {
         .collect()
 }
 
-/// `y = x · Wᵀ (+ b) (+ residual)` as [`super::fp8_linear`] defines it: `x [M, K]` quantised
-/// per row, both operands dequantised, the sums in f64 on the host (no device arithmetic that
+/// `y = x · Wᵀ (+ b) (+ residual)` as [`super::fp8_linear`] defines it in a product of at most
+/// 1,024 rows that is not batch-invariant: `x [M, K]` quantised as the weight is (per tensor or
+/// per row; the same for one row), both operands dequantised, the sums in f64 on the host (no device arithmetic that
 /// could round differently, such as TF32 products), rounded once to `x`'s dtype. Reads its
 /// operands back to the host.
 pub fn fp8_linear(
@@ -53,7 +80,7 @@ pub fn fp8_linear(
             .try_to_vec::<f32>()
             .expect("f32 data")
     };
-    let (x_codes, x_scales) = quantize_rows(&host(x), m, k);
+    let (x_codes, x_scales) = quantize(&host(x), m, k, weight.scaling);
     let (w_codes, w_scales) = weight.to_host();
     let xd = dequantize_rows(&x_codes, &x_scales, k);
     let wd = dequantize_rows(&w_codes, &w_scales, k);

@@ -53,7 +53,7 @@ use cudarc::cublaslt::{result as lt, sys};
 use cudarc::driver;
 use cudarc::driver::sys::{CUevent, CUstream};
 
-use super::cublas_plan::{Plan, PlanKey, WORKSPACE_BYTES, set_desc};
+use super::cublas_plan::{Fp8ScaleMode, Plan, PlanKey, WORKSPACE_BYTES, set_desc};
 use crate::knobs::Knobs;
 
 type CudaServer = <cubecl::cuda::CudaRuntime as cubecl_runtime::runtime::Runtime>::Server;
@@ -81,11 +81,13 @@ static DEVICES: Mutex<Vec<(usize, Result<DeviceLt, String>)>> = Mutex::new(Vec::
 static FP8_OFF: Mutex<Vec<(usize, String)>> = Mutex::new(Vec::new());
 
 /// The scales of an FP8 product (`crate::fp8_linear`): `w [N]` f32, one per output feature
-/// (row of W), and `x [M]` f32, one per row of x.
+/// (row of W), and `x [M]` f32, one per row of x; with `per_tensor` every entry of each is the
+/// same and cuBLASLt reads their first as scalars.
 #[derive(Clone, Copy)]
 pub(crate) struct Fp8Scales<'a> {
     pub(crate) w: &'a CubeTensor,
     pub(crate) x: &'a CubeTensor,
+    pub(crate) per_tensor: bool,
 }
 
 /// Why cuBLASLt's FP8 product (E4M3 operands, per-row scale vectors:
@@ -336,7 +338,13 @@ fn enqueue(
             }
         }),
         dtype,
-        fp8: fp8.is_some(),
+        fp8: fp8.map(|s| {
+            if s.per_tensor {
+                Fp8ScaleMode::Scalar
+            } else {
+                Fp8ScaleMode::OuterVectors
+            }
+        }),
         bias: bias.is_some(),
         invariant,
     };
@@ -459,8 +467,9 @@ impl Call {
                     &(bias as *const c_void),
                 )?;
             }
-            if key.fp8 {
-                // cuBLASLt's A is W (a scale per output feature), its B is x (one per row).
+            if key.fp8.is_some() {
+                // cuBLASLt's A is W (a scale per output feature), its B is x (one per row); as
+                // scalars, the vectors' first entries.
                 use sys::cublasLtMatmulDescAttributes_t as A;
                 set_desc(
                     plan.desc,

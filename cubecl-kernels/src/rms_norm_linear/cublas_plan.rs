@@ -38,11 +38,20 @@ pub(super) struct PlanKey {
     pub(super) align: [usize; 4],
     /// The output's dtype (and the operands' unless `fp8`).
     pub(super) dtype: DType,
-    /// E4M3 operands with scale vectors: W's per output feature, x's per row.
-    pub(super) fp8: bool,
+    /// E4M3 operands and how their scales are applied.
+    pub(super) fp8: Option<Fp8ScaleMode>,
     pub(super) bias: bool,
     /// One algorithm for every `M` of this weight, without split-K (batch-invariant).
     pub(super) invariant: bool,
+}
+
+/// How cuBLASLt applies an FP8 product's scales.
+#[derive(Clone, Copy, Debug, Hash, PartialEq, Eq)]
+pub(super) enum Fp8ScaleMode {
+    /// One scalar each for W and x (`CUBLASLT_MATMUL_MATRIX_SCALE_SCALAR_32F`, the default).
+    Scalar,
+    /// W's per output feature, x's per row (`CUBLASLT_MATMUL_MATRIX_SCALE_OUTER_VEC_32F`).
+    OuterVectors,
 }
 
 /// The descriptors and chosen algorithm of one shape.
@@ -113,13 +122,15 @@ impl Plan {
                     &sys::cublasLtEpilogue_t::CUBLASLT_EPILOGUE_BIAS,
                 )?;
             }
-            if key.fp8 {
+            if let Some(mode) = key.fp8 {
                 use sys::cublasLtMatmulDescAttributes_t as A;
-                let vector =
-                    sys::cublasLtMatmulMatrixScale_t::CUBLASLT_MATMUL_MATRIX_SCALE_OUTER_VEC_32F
-                        as i32;
-                set_desc(desc, A::CUBLASLT_MATMUL_DESC_A_SCALE_MODE, &vector)?;
-                set_desc(desc, A::CUBLASLT_MATMUL_DESC_B_SCALE_MODE, &vector)?;
+                if mode == Fp8ScaleMode::OuterVectors {
+                    let vector =
+                        sys::cublasLtMatmulMatrixScale_t::CUBLASLT_MATMUL_MATRIX_SCALE_OUTER_VEC_32F
+                            as i32;
+                    set_desc(desc, A::CUBLASLT_MATMUL_DESC_A_SCALE_MODE, &vector)?;
+                    set_desc(desc, A::CUBLASLT_MATMUL_DESC_B_SCALE_MODE, &vector)?;
+                }
                 // The heuristic refuses scale vectors without their addresses
                 // (CUBLAS_STATUS_INVALID_VALUE on the H100): the first call's, replaced by each
                 // call's own.

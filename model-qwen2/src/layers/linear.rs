@@ -1,14 +1,14 @@
 use burn::module::{Module, Param};
 use burn::tensor::Tensor;
-use cubecl_kernels::{Fp8Rows, KernelError, ReductionOrder};
+use cubecl_kernels::{Fp8Rows, Fp8Scaling, KernelError, ReductionOrder};
 
 /// A linear layer in the Hugging Face layout: `y = x · Wᵀ (+ b)`.
 ///
 /// `weight [out, in]` (the checkpoint's layout, read row by row by the fused kernels),
 /// `bias [out]`. Quantised to FP8 ([`Self::quantize_fp8`]), `weight` holds the E4M3 codes of
 /// `[out, in]` (carried as `[out, in / 2]` f16: [`cubecl_kernels::Fp8Rows`]) and `fp8_scales`
-/// their scale per output feature; the products then quantise their input per row and run
-/// [`cubecl_kernels::fp8_linear()`].
+/// their scale per output feature (or the tensor's, repeated: `fp8_scaling`); the products then
+/// quantise their input on the fly and run [`cubecl_kernels::fp8_linear()`].
 #[derive(Module, Debug)]
 pub struct Linear {
     /// `[out, in]` (FP8: the codes' carrier, `[out, in / 2]`).
@@ -17,6 +17,9 @@ pub struct Linear {
     pub bias: Option<Param<Tensor<1>>>,
     /// FP8 weights' scales, `[out]` f32; `None`: `weight` in the model's dtype.
     pub fp8_scales: Option<Param<Tensor<1>>>,
+    /// Whether `fp8_scales` are per output feature or the tensor's in every entry.
+    #[module(skip)]
+    pub fp8_scaling: Fp8Scaling,
     /// How the products reduce along `in` ([`ReductionOrder::BatchInvariant`]: whatever the
     /// number of rows).
     #[module(skip)]
@@ -30,17 +33,19 @@ impl Linear {
             weight: Param::from_tensor(weight),
             bias: bias.map(Param::from_tensor),
             fp8_scales: None,
+            fp8_scaling: Fp8Scaling::default(),
             order: ReductionOrder::Fastest,
         }
     }
 
-    /// Quantises the weight to FP8 E4M3 with one scale per output feature (the 16-bit weight
-    /// is dropped). A no-op when it already is.
-    pub fn quantize_fp8(&mut self) -> Result<(), KernelError> {
+    /// Quantises the weight to FP8 E4M3 with `scaling`'s scales (the 16-bit weight is
+    /// dropped). A no-op when it already is.
+    pub fn quantize_fp8(&mut self, scaling: Fp8Scaling) -> Result<(), KernelError> {
         if self.fp8_scales.is_none() {
-            let q = Fp8Rows::quantize(self.weight.val())?;
+            let q = Fp8Rows::quantize(self.weight.val(), scaling)?;
             self.weight = Param::from_tensor(q.codes);
             self.fp8_scales = Some(Param::from_tensor(q.scales));
+            self.fp8_scaling = scaling;
         }
         Ok(())
     }
@@ -50,6 +55,7 @@ impl Linear {
         self.fp8_scales.as_ref().map(|s| Fp8Rows {
             codes: self.weight.val(),
             scales: s.val(),
+            scaling: self.fp8_scaling,
         })
     }
 

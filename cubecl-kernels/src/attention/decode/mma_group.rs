@@ -75,10 +75,11 @@ impl MmaGroupConfig {
     }
 }
 
-/// See the module documentation. Caches are read in 16-byte vectors (`NV` = 8).
+/// See the module documentation. Caches are read in 16-byte vectors (`NV` = 8); the MMA's
+/// inputs are `M` (`F`, or f16 with [`MmaGroupConfig::f16_stage`]).
 #[cube(launch_unchecked, address_type = "dynamic")]
 #[allow(clippy::too_many_arguments)]
-pub fn paged_decode_mma<F: Float, KV: Float, NV: Size>(
+pub fn paged_decode_mma<F: Float, KV: Float, M: Float, NV: Size>(
     q: &Tensor<F>,
     k_cache: &Tensor<Vector<KV, NV>>,
     v_cache: &Tensor<Vector<KV, NV>>,
@@ -93,9 +94,9 @@ pub fn paged_decode_mma<F: Float, KV: Float, NV: Size>(
     min_keys: usize,
     #[comptime] cfg: MmaGroupConfig,
     #[comptime] kv: KvRead,
-    #[define(F, KV)] _dtypes: [ElemType; 2],
+    #[define(F, KV, M)] _dtypes: [ElemType; 3],
 ) {
-    let def = MmaDefinition::<F, F, f32>::new(16usize, 8usize, 16usize);
+    let def = MmaDefinition::<M, M, f32>::new(16usize, 8usize, 16usize);
     let size!(NP) = def.vector_size(MatrixIdent::A);
     let kvh = CUBE_POS_X as usize;
     // An FP8 cache's key scale rides in the scores' scale, its value scale in the output.
@@ -108,64 +109,42 @@ pub fn paged_decode_mma<F: Float, KV: Float, NV: Size>(
     let t = lane % 4;
     let group = cfg.group;
     let dtiles = comptime!(cfg.head_dim / 8);
-    let table_row = seq * block_tables.stride(0);
+    let st = comptime!(cfg.stage());
 
     // Q as A fragments: rows are the group's heads (g and g + 8; zeros past the group).
     let valid_a = g < group;
     let valid_b = g + 8 < group;
     let q_a = seq * q.stride(0) + (kvh * group + g) * q.stride(1);
     let q_b = seq * q.stride(0) + (kvh * group + g + 8) * q.stride(1);
-    let limit_a = select(valid_a, end, 0usize);
-    let limit_b = select(valid_b, end, 0usize);
+    let mut qa = Array::<Vector<M, NP>>::new(comptime!(4 * cfg.head_dim / 16));
+    load_q_fragments::<F, M, NP>(q, q_a, q_b, valid_a, valid_b, &mut qa, cfg.head_dim);
     let mut o = Array::<Vector<f32, NP>>::new(comptime!(2 * cfg.head_dim / 8));
     let mut state = Array::<f32>::new(4usize);
     start_rows(&mut o, &mut state, cfg.head_dim);
-    let stream = GroupStream {
-        table_row,
+    // Per plane: its own two K and two V stages.
+    attend_kv_stream::<M, KV, NV, NP>(
+        k_cache,
+        v_cache,
+        kv,
+        block_tables,
+        seq * block_tables.stride(0),
+        block_size,
         kvh,
-        first: start + plane * 16,
+        &qa,
+        &mut o,
+        &mut state,
+        start + plane * 16,
         end,
+        plane * comptime!(2 * st.len()),
         lane,
-        plane,
-        limit_a,
-        limit_b,
-        scale: scale * ks,
-    };
-    if comptime!(cfg.f16_stage) {
-        attend_group::<F, half::f16, KV, NV, NP>(
-            q,
-            k_cache,
-            v_cache,
-            block_tables,
-            q_a,
-            q_b,
-            valid_a,
-            valid_b,
-            &stream,
-            &mut o,
-            &mut state,
-            block_size,
-            cfg,
-            kv,
-        );
-    } else {
-        attend_group::<F, F, KV, NV, NP>(
-            q,
-            k_cache,
-            v_cache,
-            block_tables,
-            q_a,
-            q_b,
-            valid_a,
-            valid_b,
-            &stream,
-            &mut o,
-            &mut state,
-            block_size,
-            cfg,
-            kv,
-        );
-    }
+        select(valid_a, end, 0usize),
+        select(valid_b, end, 0usize),
+        scale * ks,
+        st,
+        comptime!(cfg.step()),
+        comptime!(2 * cfg.planes * st.len()),
+        true,
+    );
 
     // Merge the planes: [planes][group][D] accumulators and [planes][group] (m, l).
     finish_row_sums(&mut state);
@@ -209,69 +188,5 @@ pub fn paged_decode_mma<F: Float, KV: Float, NV: Size>(
         cfg.group,
         cfg.head_dim,
         cfg.kv_heads,
-    );
-}
-
-/// Where a plane's key stream runs: its rows' block-table row and kv head, its first key and
-/// end, its lane and plane, the rows' key limits, and the scores' scale (the key scale in it).
-#[derive(CubeType, Clone, Copy)]
-struct GroupStream {
-    table_row: usize,
-    kvh: usize,
-    first: usize,
-    end: usize,
-    lane: usize,
-    plane: usize,
-    limit_a: usize,
-    limit_b: usize,
-    scale: f32,
-}
-
-/// Q's fragments as `M` and the plane's K/V stream through MMAs of `M` inputs (`M` = `F`, or
-/// f16 for an FP8 cache decoded by PTX).
-#[cube]
-#[allow(clippy::too_many_arguments)]
-fn attend_group<F: Float, M: Float, KV: Float, NV: Size, NP: Size>(
-    q: &Tensor<F>,
-    k_cache: &Tensor<Vector<KV, NV>>,
-    v_cache: &Tensor<Vector<KV, NV>>,
-    block_tables: &Tensor<i32>,
-    q_a: usize,
-    q_b: usize,
-    valid_a: bool,
-    valid_b: bool,
-    stream: &GroupStream,
-    o: &mut Array<Vector<f32, NP>>,
-    state: &mut Array<f32>,
-    #[comptime] block_size: usize,
-    #[comptime] cfg: MmaGroupConfig,
-    #[comptime] kv: KvRead,
-) {
-    let st = comptime!(cfg.stage());
-    let mut qa = Array::<Vector<M, NP>>::new(comptime!(4 * cfg.head_dim / 16));
-    load_q_fragments::<F, M, NP>(q, q_a, q_b, valid_a, valid_b, &mut qa, cfg.head_dim);
-    // Per plane: its own two K and two V stages.
-    attend_kv_stream::<M, KV, NV, NP>(
-        k_cache,
-        v_cache,
-        kv,
-        block_tables,
-        stream.table_row,
-        block_size,
-        stream.kvh,
-        &qa,
-        o,
-        state,
-        stream.first,
-        stream.end,
-        stream.plane * comptime!(2 * st.len()),
-        stream.lane,
-        stream.limit_a,
-        stream.limit_b,
-        stream.scale,
-        st,
-        comptime!(cfg.step()),
-        comptime!(2 * cfg.planes * st.len()),
-        true,
     );
 }

@@ -364,9 +364,11 @@ pub(crate) fn paged_decode(
     // SAFETY: keys are read only below each sequence's context length, through block-table
     // entries the metadata checked; rows below B ≤ T of q and out, B × heads × D elements.
     unsafe {
-        // The three kernels take the same arguments; only the function and its config differ.
+        // The three kernels take the same arguments; only the function, its config and its
+        // element types differ.
+        let dtypes = [dtype_to_storage_type(dtype), kv_dtype.storage(dtype)];
         macro_rules! launch {
-            ($kernel:path, $cfg:expr) => {
+            ($kernel:path, $cfg:expr, $dtypes:expr) => {
                 $kernel(
                     &q.client,
                     count,
@@ -387,17 +389,33 @@ pub(crate) fn paged_decode(
                     min_keys,
                     $cfg,
                     kv_read,
-                    [dtype_to_storage_type(dtype), kv_dtype.storage(dtype)],
+                    $dtypes,
                 )
             };
         }
         match kernel {
-            Kernel::Mma(cfg) => launch!(mma_group::paged_decode_mma::launch_unchecked, cfg),
+            Kernel::Mma(cfg) => {
+                let mma = if cfg.f16_stage {
+                    dtype_to_storage_type(DType::F16)
+                } else {
+                    dtypes[0]
+                };
+                let dtypes = [dtypes[0], dtypes[1], mma];
+                launch!(mma_group::paged_decode_mma::launch_unchecked, cfg, dtypes)
+            }
             Kernel::WideGroup(cfg) => {
-                launch!(wide_group::paged_decode_wide_group::launch_unchecked, cfg)
+                launch!(
+                    wide_group::paged_decode_wide_group::launch_unchecked,
+                    cfg,
+                    dtypes
+                )
             }
             Kernel::RowSplit(cfg) => {
-                launch!(row_split::paged_decode_row_split::launch_unchecked, cfg)
+                launch!(
+                    row_split::paged_decode_row_split::launch_unchecked,
+                    cfg,
+                    dtypes
+                )
             }
         }
         if splits > 1 {
