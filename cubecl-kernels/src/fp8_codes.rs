@@ -9,6 +9,9 @@
 //!   (or `.e5m2x2`) turns two codes into two halves in one instruction, written as inline PTX
 //!   that only the vendored cubecl-llvm lowers ([`PTX_CVT_LOWERED`], as
 //!   [`crate::fast_exp`]).
+//!
+//! And the other way, for the FP8 products' activations: [`encode_e4m3_word()`], four values to
+//! a word of E4M3 codes, by PTX's `cvt.rn.satfinite.e4m3x2.f32` or CubeCL's cast.
 
 /// Whether [`decode_ptx()`] can be compiled by this build's CubeCL (CUDA kernels only).
 pub const PTX_CVT_LOWERED: bool = cfg!(cubecl_llvm_asm);
@@ -24,7 +27,7 @@ pub(crate) const fn placement(e5m2: bool) -> (u32, f32) {
 }
 
 pub(crate) use ptx::load_codes;
-pub use ptx::{decode_f32, decode_ptx};
+pub use ptx::{decode_f32, decode_ptx, encode_e4m3_word};
 
 /// Whether kernels on the device of `caps` decode FP8 codes by [`decode_ptx()`]: where it lowers
 /// and the device converts FP8, unless `BURN_NANOVLLM_FP8_DECODE=bits` asks for bit placement.
@@ -146,6 +149,45 @@ mod ptx {
         gpu_asm!(
             "{{ .reg .b16 lo, hi; mov.b32 {{lo, hi}}, {1}; cvt.rn.f16x2.e5m2x2 {0}, lo; }}",
             out(_) y, in(_) pair, options(pure, nomem)
+        );
+        y
+    }
+
+    /// Four values as E4M3 codes (round to nearest even, saturating at ±448) packed into one
+    /// little-endian word, `a` in the low byte: with `ptx` by PTX's
+    /// `cvt.rn.satfinite.e4m3x2.f32`, two codes an instruction (CUDA, compute capability ≥ 8.9,
+    /// where [`PTX_CVT_LOWERED`](crate::fp8_codes::PTX_CVT_LOWERED)), else by CubeCL's cast.
+    #[cube]
+    pub fn encode_e4m3_word<Q: Float>(
+        a: f32,
+        b: f32,
+        c: f32,
+        d: f32,
+        #[comptime] ptx: bool,
+    ) -> u32 {
+        if comptime!(ptx) {
+            e4m3_word(a, b, c, d)
+        } else {
+            code_byte::<Q>(a)
+                | (code_byte::<Q>(b) << 8u32)
+                | (code_byte::<Q>(c) << 16u32)
+                | (code_byte::<Q>(d) << 24u32)
+        }
+    }
+
+    /// `v`'s code by CubeCL's cast to `Q` (E4M3), as a word's low byte.
+    #[cube]
+    fn code_byte<Q: Float>(v: f32) -> u32 {
+        u32::cast_from(u8::reinterpret(Q::cast_from(v)))
+    }
+
+    /// [`encode_e4m3_word`] by PTX (the second source of each `cvt` lands in the low byte).
+    #[cube]
+    fn e4m3_word(a: f32, b: f32, c: f32, d: f32) -> u32 {
+        let y: u32;
+        gpu_asm!(
+            "{{ .reg .b16 lo, hi; cvt.rn.satfinite.e4m3x2.f32 lo, {2}, {1}; cvt.rn.satfinite.e4m3x2.f32 hi, {4}, {3}; mov.b32 {0}, {{lo, hi}}; }}",
+            out(_) y, in(_) a, in(_) b, in(_) c, in(_) d, options(pure, nomem)
         );
         y
     }

@@ -173,7 +173,7 @@ pub(crate) fn bytes_as_carrier(t: CubeTensor) -> CubeTensor {
 /// `t`'s buffer seen as `dtype`: the last dimension and the outer strides multiplied by `num`
 /// and divided by `den` (CUDA pitches the rows of 2-D and larger allocations: the strides keep
 /// the pitch).
-fn relabel(mut t: CubeTensor, num: usize, den: usize, dtype: DType) -> CubeTensor {
+pub(crate) fn relabel(mut t: CubeTensor, num: usize, den: usize, dtype: DType) -> CubeTensor {
     let mut shape = t.meta.shape().clone();
     let dim = shape.num_dims() - 1;
     shape[dim] = shape[dim] * num / den;

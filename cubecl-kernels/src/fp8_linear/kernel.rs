@@ -3,7 +3,8 @@
 //!
 //! `quantize_rows`: one cube per row of `x [M, K]`; the units stride over the row in vectors of
 //! `NV`, reduce its largest magnitude over the cube, then write `round(x / scale)` as E4M3
-//! codes (`codes [M, K]`, one byte each, saturating, stored one at a time) and
+//! codes (`codes [M, K]`, round to nearest even, saturating; stored four to a 32-bit word,
+//! `[M, K / 4]`, converted two an instruction by PTX's `cvt` where `ptx`) and
 //! `scale = amax / 448` (1 for a row of zeros) to `scales [M]`. Each unit reads its elements
 //! twice (the second time from cache).
 //!
@@ -16,7 +17,7 @@
 
 use cubecl::prelude::*;
 
-use crate::fp8_codes::decode_f32;
+use crate::fp8_codes::{decode_f32, encode_e4m3_word};
 use crate::sampling::kernel::cube_max;
 
 /// The largest finite E4M3 value: a row's largest magnitude maps to it.
@@ -26,17 +27,18 @@ pub(crate) const E4M3_MAX: f32 = 448.0;
 #[cube(launch_unchecked)]
 pub(crate) fn quantize_rows<F: Float, Q: Float, NV: Size>(
     x: &Tensor<Vector<F, NV>>,
-    codes: &mut Tensor<Q>,
+    codes: &mut Tensor<u32>,
     scales: &mut Tensor<f32>,
     #[comptime] cube_dim: usize,
     #[comptime] use_plane: bool,
+    #[comptime] ptx: bool,
     #[define(F, Q)] _dtypes: [ElemType; 2],
 ) {
     let row = CUBE_POS_X as usize;
     let mut scratch = Shared::<[f32]>::new_slice(cube_dim);
     let amax = cube_max(row_amax(x, row), &mut scratch, use_plane);
     let scale = scale_of(amax);
-    write_codes(x, row, codes, scale);
+    write_codes::<F, Q, NV>(x, row, codes, scale, ptx);
     if UNIT_POS_X == 0 {
         scales[row] = scale;
     }
@@ -64,10 +66,11 @@ pub(crate) fn amax_rows<F: Float, NV: Size>(
 pub(crate) fn quantize_tensor<F: Float, Q: Float, NV: Size>(
     x: &Tensor<Vector<F, NV>>,
     amax: &Tensor<f32>,
-    codes: &mut Tensor<Q>,
+    codes: &mut Tensor<u32>,
     scales: &mut Tensor<f32>,
     #[comptime] cube_dim: usize,
     #[comptime] use_plane: bool,
+    #[comptime] ptx: bool,
     #[define(F, Q)] _dtypes: [ElemType; 2],
 ) {
     let rows = x.shape(0);
@@ -82,7 +85,7 @@ pub(crate) fn quantize_tensor<F: Float, Q: Float, NV: Size>(
     let scale = scale_of(cube_max(m, &mut scratch, use_plane));
     let mut row = CUBE_POS_X as usize;
     while row < rows {
-        write_codes(x, row, codes, scale);
+        write_codes::<F, Q, NV>(x, row, codes, scale, ptx);
         if UNIT_POS_X == 0 {
             scales[row] = scale;
         }
@@ -119,26 +122,33 @@ fn scale_of(amax: f32) -> f32 {
     scale
 }
 
-/// Writes row `row` of `x` divided by `scale` as E4M3 codes, the cube's units striding over
-/// its vectors.
+/// Writes row `row` of `x` divided by `scale` as E4M3 codes, four to a little-endian word of
+/// `codes` (`[R, C / 4]`), the cube's units striding over its vectors (`NV` a multiple of 4).
 #[cube]
 fn write_codes<F: Float, Q: Float, NV: Size>(
     x: &Tensor<Vector<F, NV>>,
     row: usize,
-    codes: &mut Tensor<Q>,
+    codes: &mut Tensor<u32>,
     scale: f32,
+    #[comptime] ptx: bool,
 ) {
     let nv = x.vector_size();
+    let words = comptime!(nv / 4);
     let k_vecs = x.shape(1) / nv;
     let at = row * (x.stride(0) / nv);
     let out_at = row * codes.stride(0);
     let mut i = UNIT_POS_X as usize;
     while i < k_vecs {
-        let v = Vector::<f32, NV>::cast_from(x[at + i]);
-        // One code at a time: CUDA's vector cast to FP8 stored wrong codes (measured).
+        let v = Vector::<f32, NV>::cast_from(x[at + i]) / Vector::new(scale);
         #[unroll]
-        for j in 0..nv {
-            codes[out_at + i * nv + j] = Q::cast_from(v.extract(j) / scale);
+        for w in 0..words {
+            codes[out_at + i * words + w] = encode_e4m3_word::<Q>(
+                v.extract(4 * w),
+                v.extract(4 * w + 1),
+                v.extract(4 * w + 2),
+                v.extract(4 * w + 3),
+                ptx,
+            );
         }
         i += CUBE_DIM_X as usize;
     }

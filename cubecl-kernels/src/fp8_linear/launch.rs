@@ -28,7 +28,7 @@ use super::kernel::{
     amax_rows as amax_rows_kernel, dequantize_rows as dequantize_kernel,
     quantize_rows as quantize_rows_kernel, quantize_tensor as quantize_tensor_kernel,
 };
-use crate::attention::kv_cache::carrier_as_bytes;
+use crate::attention::kv_cache::{carrier_as_bytes, relabel};
 use crate::device_caps::DeviceCaps;
 use crate::knobs::Knobs;
 use crate::rms_norm_linear::kernel::SkinnyConfig;
@@ -67,8 +67,13 @@ const DEQUANTIZE_CUBE: usize = 256;
 /// and scales (`[R]` f32), one scale per row (`per_tensor == false`) or one for the whole
 /// tensor, repeated in every entry.
 pub(crate) fn quantize(x: CubeTensor, per_tensor: bool) -> (CubeTensor, CubeTensor) {
-    let x = unit_inner_stride(x);
+    let mut x = unit_inner_stride(x);
     let [r, c] = [x.meta.shape()[0], x.meta.shape()[1]];
+    // The kernels encode four codes to a word: vectors of at least 4 elements (`C` is a
+    // multiple of 4, checked by the callers; a row pitch that is not gets a contiguous copy).
+    if vector_size(x.dtype, &[c, x.meta.strides()[0]]) < 4 {
+        x = burn_cubecl::kernel::into_contiguous(x);
+    }
     let alloc = |shape: Shape, dtype: DType| {
         empty_device_dtype(x.client.clone(), x.device.clone(), shape, dtype)
     };
@@ -79,6 +84,9 @@ pub(crate) fn quantize(x: CubeTensor, per_tensor: bool) -> (CubeTensor, CubeTens
     }
     let caps = DeviceCaps::of(&x.client);
     let vec = vector_size(x.dtype, &[c, x.meta.strides()[0]]);
+    // Codes as the words the kernels store (`[R, C / 4]`, the same row pitch in bytes).
+    let words = relabel(codes.clone(), 1, 4, DType::U32);
+    let ptx = crate::fp8_codes::ptx_decodes(&caps);
     // Few rows (decode steps) leave most multiprocessors idle with one small cube each: their
     // cubes grow up to a vector per unit, at most `MAX_QUANTIZE_UNITS`.
     let units = if r >= 2 * caps.multiprocessors || !caps.plane_ops {
@@ -101,10 +109,11 @@ pub(crate) fn quantize(x: CubeTensor, per_tensor: bool) -> (CubeTensor, CubeTens
                 cube_dim,
                 vec,
                 x.clone().into_tensor_arg(),
-                codes.clone().into_tensor_arg(),
+                words.into_tensor_arg(),
                 scales.clone().into_tensor_arg(),
                 units,
                 use_plane,
+                ptx,
                 dtypes,
             );
         }
@@ -133,10 +142,11 @@ pub(crate) fn quantize(x: CubeTensor, per_tensor: bool) -> (CubeTensor, CubeTens
             vec,
             x.clone().into_tensor_arg(),
             amax.into_tensor_arg(),
-            codes.clone().into_tensor_arg(),
+            words.into_tensor_arg(),
             scales.clone().into_tensor_arg(),
             units,
             use_plane,
+            ptx,
             dtypes,
         );
     }

@@ -71,8 +71,8 @@ pub struct Fp8Rows {
 }
 
 impl Fp8Rows {
-    /// Quantises `x [R, C]` (f32, f16 or bf16; `C` even) with `scaling` on its device, which
-    /// must run CubeCL kernels ([`fp8_linear_support`]).
+    /// Quantises `x [R, C]` (f32, f16 or bf16; `C` a multiple of 4) with `scaling` on its
+    /// device, which must run CubeCL kernels ([`fp8_linear_support`]).
     pub fn quantize(x: Tensor<2>, scaling: Fp8Scaling) -> Result<Self, KernelError> {
         let [_, c] = x.dims();
         if !matches!(x.dtype(), DType::F32 | DType::F16 | DType::BF16) {
@@ -81,9 +81,10 @@ impl Fp8Rows {
                 x.dtype()
             )));
         }
-        if !c.is_multiple_of(2) {
+        if !c.is_multiple_of(4) {
             return Err(KernelError::invalid(format!(
-                "FP8 quantisation: x has shape {:?}; its rows need an even length",
+                "FP8 quantisation: x has shape {:?}; its rows need a length that is a multiple \
+                 of 4",
                 x.dims()
             )));
         }
@@ -220,6 +221,12 @@ fn check_args(
     let n = weight.dims()[0];
     let dtype = x.dtype();
     crate::rms_norm_linear::check_x_and_weight(x, weight.dims())?;
+    if !weight.dims()[1].is_multiple_of(4) {
+        return Err(KernelError::invalid(format!(
+            "weight has shape {:?}; FP8 products need K, its second dimension, a multiple of 4",
+            weight.dims()
+        )));
+    }
     if weight.codes.dtype() != FP8_CARRIER || weight.scales.dtype() != DType::F32 {
         return Err(KernelError::invalid(format!(
             "weight codes have dtype {:?} and scales {:?}; expected {FP8_CARRIER:?} and F32",

@@ -1,6 +1,7 @@
 //! The kernels' inline PTX compiled for NVPTX without a GPU: the vendored cubecl-llvm lowers it to
 //! the instructions themselves (the softmax's fast exponential, the FP8 caches' paired
-//! conversions). The values are checked on CUDA by the attention and FP8 cache tests.
+//! conversions, the FP8 products' paired encoding). The values are checked on CUDA by the
+//! attention, FP8 cache and FP8 product tests.
 
 use std::ffi::CStr;
 use std::sync::Arc;
@@ -10,7 +11,7 @@ use cubecl::ir::nvidia::SmArch;
 use cubecl::ir::{DeviceIdentity, HardwareProperties, MemoryDeviceProperties, features::Features};
 use cubecl::prelude::*;
 use cubecl_kernels::fast_exp::{FAST_EXP_LOWERED, exp2_approx};
-use cubecl_kernels::fp8_codes::{PTX_CVT_LOWERED, decode_ptx};
+use cubecl_kernels::fp8_codes::{PTX_CVT_LOWERED, decode_ptx, encode_e4m3_word};
 use cubecl_llvm::nvptx::ptx_version::PtxVersion;
 use cubecl_llvm::{LlvmTarget, PlironArtifact, PlironCompiler, PlironOptions};
 use cubecl_runtime::kernel::CubeKernel;
@@ -40,6 +41,17 @@ fn decode_eight(input: &[u32], output: &mut [f32], #[comptime] e5m2: bool) {
         output[at + 5] = values.extract(5usize);
         output[at + 6] = values.extract(6usize);
         output[at + 7] = values.extract(7usize);
+    }
+}
+
+/// Four values a unit encoded to one word of E4M3 codes, by PTX.
+#[cube(launch)]
+fn encode_four(input: &[f32], output: &mut [u32]) {
+    if 4 * ABSOLUTE_POS + 3 < input.len() {
+        let at = 4 * ABSOLUTE_POS;
+        // The cast's type: unused by the PTX form.
+        output[ABSOLUTE_POS] =
+            encode_e4m3_word::<f32>(input[at], input[at + 1], input[at + 2], input[at + 3], true);
     }
 }
 
@@ -142,4 +154,23 @@ fn fp8_codes_convert_two_an_instruction() {
         assert_eq!(ptx.matches(instruction).count(), 4, "{ptx}");
         assert_eq!(ptx.matches("cvt.f32.f16").count(), 8, "{ptx}");
     }
+}
+
+#[test]
+fn fp8_codes_encode_two_an_instruction() {
+    const { assert!(PTX_CVT_LOWERED) };
+    let kernel = encode_four::EncodeFour::new(
+        settings(),
+        offline_device(),
+        Arc::new(TargetProperties::default()),
+        BufferCompilationArg { inplace: None },
+        BufferCompilationArg { inplace: None },
+    );
+    let ptx = ptx_for_sm90(kernel);
+    // Four values, two a conversion, packed into one word.
+    assert_eq!(
+        ptx.matches("cvt.rn.satfinite.e4m3x2.f32").count(),
+        2,
+        "{ptx}"
+    );
 }
