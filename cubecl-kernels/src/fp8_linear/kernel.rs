@@ -1,14 +1,14 @@
 //! Device side of the FP8 linear family: the quantisation (per row or per tensor) and its
 //! inverse.
 //!
-//! `quantize_rows`: one cube per row of `x [M, K]`; the units stride over the row in vectors of
+//! `quantize` per row: one cube per row of `x [M, K]`; the units stride over the row in vectors of
 //! `NV`, reduce its largest magnitude over the cube, then write `round(x / scale)` as E4M3
 //! codes (`codes [M, K]`, round to nearest even, saturating; stored four to a 32-bit word,
 //! `[M, K / 4]`, converted two an instruction by PTX's `cvt` where `ptx`) and
 //! `scale = amax / 448` (1 for a row of zeros) to `scales [M]`. Each unit reads its elements
 //! twice (the second time from cache).
 //!
-//! Per tensor (`amax_rows`, then `quantize_tensor`): one cube per row writes the row's largest
+//! Per tensor (`amax_rows`, then `quantize`): one cube per row writes the row's largest
 //! magnitude to `amax [M]`; then each cube of the second launch reduces all of `amax` to the
 //! tensor's scale and writes the codes of rows `CUBE_POS_X, CUBE_POS_X + CUBE_COUNT_X, …` with
 //! it, and the scale to `scales[row]` of each (every entry the same).
@@ -23,24 +23,44 @@ use crate::sampling::kernel::cube_max;
 /// The largest finite E4M3 value: a row's largest magnitude maps to it.
 pub(crate) const E4M3_MAX: f32 = 448.0;
 
-/// See the module documentation.
+/// See the module documentation: `per_tensor` takes the tensor's scale from `amax`, else each
+/// row's own (`amax` unread).
 #[cube(launch_unchecked)]
-pub(crate) fn quantize_rows<F: Float, Q: Float, NV: Size>(
+#[allow(clippy::too_many_arguments)]
+pub(crate) fn quantize<F: Float, Q: Float, NV: Size>(
     x: &Tensor<Vector<F, NV>>,
+    amax: &Tensor<f32>,
     codes: &mut Tensor<u32>,
     scales: &mut Tensor<f32>,
     #[comptime] cube_dim: usize,
     #[comptime] use_plane: bool,
     #[comptime] ptx: bool,
+    #[comptime] per_tensor: bool,
     #[define(F, Q)] _dtypes: [ElemType; 2],
 ) {
-    let row = CUBE_POS_X as usize;
+    let rows = x.shape(0);
     let mut scratch = Shared::<[f32]>::new_slice(cube_dim);
-    let amax = cube_max(row_amax(x, row), &mut scratch, use_plane);
-    let scale = scale_of(amax);
-    write_codes::<F, Q, NV>(x, row, codes, scale, ptx);
-    if UNIT_POS_X == 0 {
-        scales[row] = scale;
+    let mut tensor_scale = 1.0f32;
+    if comptime!(per_tensor) {
+        let mut m = 0.0f32;
+        let mut r = UNIT_POS_X as usize;
+        while r < rows {
+            m = max(m, amax[r]);
+            r += CUBE_DIM_X as usize;
+        }
+        tensor_scale = scale_of(cube_max(m, &mut scratch, use_plane));
+    }
+    let mut row = CUBE_POS_X as usize;
+    while row < rows {
+        let mut scale = tensor_scale;
+        if comptime!(!per_tensor) {
+            scale = scale_of(cube_max(row_amax(x, row), &mut scratch, use_plane));
+        }
+        write_codes::<F, Q, NV>(x, row, codes, scale, ptx);
+        if UNIT_POS_X == 0 {
+            scales[row] = scale;
+        }
+        row += CUBE_COUNT_X as usize;
     }
 }
 
@@ -58,38 +78,6 @@ pub(crate) fn amax_rows<F: Float, NV: Size>(
     let m = cube_max(row_amax(x, row), &mut scratch, use_plane);
     if UNIT_POS_X == 0 {
         amax[row] = m;
-    }
-}
-
-/// See the module documentation.
-#[cube(launch_unchecked)]
-pub(crate) fn quantize_tensor<F: Float, Q: Float, NV: Size>(
-    x: &Tensor<Vector<F, NV>>,
-    amax: &Tensor<f32>,
-    codes: &mut Tensor<u32>,
-    scales: &mut Tensor<f32>,
-    #[comptime] cube_dim: usize,
-    #[comptime] use_plane: bool,
-    #[comptime] ptx: bool,
-    #[define(F, Q)] _dtypes: [ElemType; 2],
-) {
-    let rows = x.shape(0);
-    let units = CUBE_DIM_X as usize;
-    let mut m = 0.0f32;
-    let mut r = UNIT_POS_X as usize;
-    while r < rows {
-        m = max(m, amax[r]);
-        r += units;
-    }
-    let mut scratch = Shared::<[f32]>::new_slice(cube_dim);
-    let scale = scale_of(cube_max(m, &mut scratch, use_plane));
-    let mut row = CUBE_POS_X as usize;
-    while row < rows {
-        write_codes::<F, Q, NV>(x, row, codes, scale, ptx);
-        if UNIT_POS_X == 0 {
-            scales[row] = scale;
-        }
-        row += CUBE_COUNT_X as usize;
     }
 }
 

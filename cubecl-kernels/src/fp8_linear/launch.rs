@@ -6,10 +6,10 @@
 //! codes (`rms_norm_linear::kernel::linear_skinny`), larger ones (and batch-invariant ones of
 //! any size) cuBLASLt.
 //!
-//! `quantize_rows` and `amax_rows`: one cube per row, `cube_units` units (4 planes on GPUs; up
-//! to a vector per unit, at most 1,024, when there are fewer rows than twice the
-//! multiprocessors), vectors of up to 16 bytes of the input; `quantize_tensor`: as many cubes
-//! as rows, at most two per multiprocessor. `dequantize_rows`: one unit per vector, 256-unit
+//! `quantize` (per row) and `amax_rows`: one cube per row, `cube_units` units (4 planes on
+//! GPUs; up to a vector per unit, at most 1,024, when there are fewer rows than twice the
+//! multiprocessors), vectors of up to 16 bytes of the input; `quantize` per tensor: as many
+//! cubes as rows, at most eight per multiprocessor. `dequantize_rows`: one unit per vector, 256-unit
 //! cubes.
 //!
 //! A weight quantised per tensor ([`super::Fp8Scaling::PerTensor`]) takes activations
@@ -26,7 +26,7 @@ use cubecl::prelude::{CubeCount, CubeDim};
 
 use super::kernel::{
     amax_rows as amax_rows_kernel, dequantize_rows as dequantize_kernel,
-    quantize_rows as quantize_rows_kernel, quantize_tensor as quantize_tensor_kernel,
+    quantize as quantize_kernel,
 };
 use crate::attention::kv_cache::{carrier_as_bytes, relabel};
 use crate::device_caps::DeviceCaps;
@@ -44,12 +44,13 @@ const E4M3: ElemType = ElemType::Float(FloatKind::E4M3);
 /// rows it lost to cuBLASLt's figures at 16 (gate/up 131 and 216 against 84 µs).
 const SKINNY_MAX_M: usize = 1;
 
-/// Most units of a `quantize_rows` cube (rows of few-row calls).
+/// Most units of a per-row `quantize` cube (rows of few-row calls).
 const MAX_QUANTIZE_UNITS: usize = 1024;
 
-/// Cubes of `quantize_tensor` per multiprocessor at most (each reads all of `amax [R]` once).
+/// Cubes of a per-tensor `quantize` per multiprocessor at most (each reads all of `amax [R]`
+/// once).
 /// Two a multiprocessor took 77 µs over 4,608 × 3,584 bf16 values on the H200, against 49 µs
-/// for `quantize_rows`' cube a row.
+/// for the per-row form's cube a row.
 const TENSOR_QUANTIZE_CUBES_PER_MP: usize = 8;
 
 /// Largest `M` whose activations a per-tensor weight's product quantises per tensor; larger
@@ -99,43 +100,30 @@ pub(crate) fn quantize(x: CubeTensor, per_tensor: bool) -> (CubeTensor, CubeTens
     let use_plane = caps.plane_ops && units.is_multiple_of(caps.plane_size);
     let dtypes = [dtype_to_storage_type(x.dtype), E4M3];
     let cube_dim = CubeDim::new_1d(units as u32);
-    if !per_tensor {
-        // SAFETY: one cube per row below `R`; vector indices stay below the row's `C / vec`,
-        // `C` and the row pitches being multiples of the vector.
-        unsafe {
-            quantize_rows_kernel::launch_unchecked(
+    let amax = alloc(Shape::new([r]), DType::F32);
+    let cubes = if per_tensor {
+        r.min(TENSOR_QUANTIZE_CUBES_PER_MP * caps.multiprocessors.max(1))
+    } else {
+        r
+    };
+    // SAFETY: `amax_rows` writes `amax[row]` of its one row below `R`; `quantize` reads
+    // `amax[..R]` (per tensor) and strides its cubes over the rows below `R`; vector indices
+    // stay below a row's `C / vec`, `C` and the row pitches being multiples of the vector.
+    unsafe {
+        if per_tensor {
+            amax_rows_kernel::launch_unchecked(
                 &x.client,
                 CubeCount::Static(r as u32, 1, 1),
                 cube_dim,
                 vec,
                 x.clone().into_tensor_arg(),
-                words.into_tensor_arg(),
-                scales.clone().into_tensor_arg(),
+                amax.clone().into_tensor_arg(),
                 units,
                 use_plane,
-                ptx,
-                dtypes,
+                dtypes[0],
             );
         }
-        return (codes, scales);
-    }
-    let amax = alloc(Shape::new([r]), DType::F32);
-    let cubes = r.min(TENSOR_QUANTIZE_CUBES_PER_MP * caps.multiprocessors.max(1));
-    // SAFETY: as above; `amax_rows` writes `amax[row]` of its one row, `quantize_tensor` reads
-    // `amax[..R]` and strides its cubes over the rows below `R`.
-    unsafe {
-        amax_rows_kernel::launch_unchecked(
-            &x.client,
-            CubeCount::Static(r as u32, 1, 1),
-            cube_dim,
-            vec,
-            x.clone().into_tensor_arg(),
-            amax.clone().into_tensor_arg(),
-            units,
-            use_plane,
-            dtypes[0],
-        );
-        quantize_tensor_kernel::launch_unchecked(
+        quantize_kernel::launch_unchecked(
             &x.client,
             CubeCount::Static(cubes as u32, 1, 1),
             cube_dim,
@@ -147,6 +135,7 @@ pub(crate) fn quantize(x: CubeTensor, per_tensor: bool) -> (CubeTensor, CubeTens
             units,
             use_plane,
             ptx,
+            per_tensor,
             dtypes,
         );
     }
