@@ -99,9 +99,9 @@ pub struct EngineConfig {
     /// FP8 needs a CubeCL device (`cubecl-cpu` or CUDA).
     pub kv_cache_dtype: KvCacheDtype,
     /// How the layers' products store their weights (vLLM's `quantization`): `None`, the
-    /// checkpoint's dtype, or `Fp8`: E4M3 weights with a scale per output feature, quantised
-    /// from the 16-bit checkpoint at start-up (half the bytes a step reads), activations
-    /// quantised per token, the products on cuBLASLt's FP8 GEMM. FP8 needs a CUDA device of
+    /// checkpoint's dtype, or `Fp8`: E4M3 weights with one scale per weight tensor (vLLM's
+    /// online FP8), quantised from the 16-bit checkpoint at start-up (half the bytes a step
+    /// reads), activations quantised on the fly, the products on cuBLASLt's FP8 GEMM. FP8 needs a CUDA device of
     /// compute capability 8.9 or later (emulated on `cubecl-cpu`, for tests).
     #[serde(default)]
     pub quantization: Quantization,

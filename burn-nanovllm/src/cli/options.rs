@@ -80,8 +80,8 @@ pub(crate) struct EngineArgs {
     /// fp8_e5m2 (half the bytes: twice the KV blocks; scales measured at start-up).
     #[arg(long, default_value = "auto")]
     pub(crate) kv_cache_dtype: KvCacheDtype,
-    /// How the layers' weights are stored: none (the checkpoint's dtype) or fp8 (E4M3 with a
-    /// scale per output feature, quantised at start-up: half the bytes; CUDA compute
+    /// How the layers' weights are stored: none (the checkpoint's dtype) or fp8 (E4M3 with
+    /// one scale per weight tensor, quantised at start-up: half the bytes; CUDA compute
     /// capability 8.9 or later).
     #[arg(long, default_value = "none")]
     pub(crate) quantization: Quantization,
