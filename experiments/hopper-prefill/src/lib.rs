@@ -1,0 +1,300 @@
+//! Causal prefill attention on Hopper's warp-group MMA (`wgmma`), through CubeCL 0.12's LLVM
+//! route: the first step of FlashAttention-3's design, to be measured beside FA3 and beside the
+//! `mma.sync` kernel of `cubecl-kernels` before the workspace moves to CubeCL 0.12.
+//!
+//! Launch geometry: one cube of one warpgroup (128 units) per 64 query rows of one head
+//! (`CUBE_POS_X`: the query tile, `CUBE_POS_Y`: the head). The cube stages its Q tile once, then
+//! for each key tile of [`KEYS`] keys up to its causal limit stages K (K-major, as `B` of
+//! `S = Q·Kᵀ`) and V (MN-major, as `B` of `O += P·V`) in shared memory with 128-byte swizzles,
+//! computes `S` with `D / 16` MMAs (A and B from shared memory), takes the online softmax on the
+//! accumulator's registers (each unit holds two rows' elements; a row's max and sum reduce over
+//! the four lanes that share it), and adds `P·V` with `P` as register fragments (the
+//! accumulator's layout of `S` is the fragments' layout, eight elements a 16-key step).
+//!
+//! Not yet FA3: no TMA, no producer warp, no ring of stages (each tile is loaded by the units,
+//! then computed on), and `P·V` goes to a fresh accumulator that is added to the running output
+//! (CubeCL 0.12's accumulator cannot be rescaled in place).
+//!
+//! Layout: `q`, `k`, `v` `[heads, seq, D]` contiguous, one kv head per query head (the grouping
+//! of GQA is a later step); `out [heads, seq, D]` f32.
+
+use cubecl::prelude::*;
+use cubecl::wgmma::{Accumulator, Fragment, Major, MatrixDescriptor, Swizzle, WgmmaTileLayout};
+
+/// Query rows of a cube: one warpgroup MMA's M.
+pub const QUERIES: usize = 64;
+
+/// Keys a tile: the `n` of `S`'s MMAs and the K of `P·V`'s.
+pub const KEYS: usize = 64;
+
+/// Units of a cube: one warpgroup.
+pub const UNITS: usize = 128;
+
+/// The shared-memory layout of a tile of `rows` lines of `k` elements read as `A` or `B` with
+/// K contiguous (Q, K).
+pub fn k_major(rows: usize, k: usize) -> WgmmaTileLayout {
+    WgmmaTileLayout {
+        major: Major::K,
+        swizzle: Swizzle::B128,
+        rows,
+        k,
+    }
+}
+
+/// The layout of V `[keys, D]` read as `B` of `P·V` (`n = D`, K = the keys): MN-major.
+pub fn mn_major(rows: usize, k: usize) -> WgmmaTileLayout {
+    WgmmaTileLayout {
+        major: Major::MN,
+        swizzle: Swizzle::B128,
+        rows,
+        k,
+    }
+}
+
+/// Writes `count` rows of `d` elements of `src` (row-major from `base`) into `tile`, zeros for
+/// the rows past `count` up to `rows`; `transposed`: element `(r, c)` goes to the tile's
+/// `(c, r)` (V as an MN-major `B`).
+#[cube]
+fn stage<E: Float>(
+    src: &[E],
+    base: usize,
+    count: usize,
+    tile: &mut [E],
+    #[comptime] layout: WgmmaTileLayout,
+    #[comptime] rows: usize,
+    #[comptime] d: usize,
+    #[comptime] transposed: bool,
+) {
+    let elem = E::size();
+    let total = comptime![rows * d];
+    let mut i = UNIT_POS as usize;
+    while i < total {
+        let r = i / d;
+        let c = i % d;
+        let mut value = E::from_int(0);
+        if r < count {
+            value = src[base + i];
+        }
+        if comptime![transposed] {
+            tile[layout.offset(c, r, elem)] = value;
+        } else {
+            tile[layout.offset(r, c, elem)] = value;
+        }
+        i += comptime![UNITS];
+    }
+}
+
+/// The `(row, col)` of the `nth` element a unit holds of a warpgroup accumulator (runs of two
+/// columns; rows `lane / 4` and `lane / 4 + 8` of its plane's 16).
+#[cube]
+fn position(nth: usize) -> (usize, usize) {
+    let unit = UNIT_POS as usize;
+    let plane = unit / 32;
+    let lane = unit % 32;
+    let chunk = nth / 2;
+    let row = plane * 16 + lane / 4 + (chunk % 2) * 8;
+    let col = (chunk / 2) * 8 + (lane % 4) * 2 + nth % 2;
+    (row, col)
+}
+
+/// The largest of `x` over the four lanes that hold a row.
+#[cube]
+fn quad_max(x: f32) -> f32 {
+    let a = max(x, plane_shuffle_xor(x, 1u32));
+    max(a, plane_shuffle_xor(a, 2u32))
+}
+
+/// The sum of `x` over the four lanes that hold a row.
+#[cube]
+fn quad_sum(x: f32) -> f32 {
+    let a = x + plane_shuffle_xor(x, 1u32);
+    a + plane_shuffle_xor(a, 2u32)
+}
+
+/// `eˣ` for the softmax: libdevice's `expf` (`libdevice`: on the GPU machine, whose CUDA
+/// toolkit has it), or, without it, `2^(x·log₂ e)` as a power of two times a degree-7 Taylor
+/// polynomial of `2^frac` (relative error ~1e-6; what compiles where no toolkit is, and the
+/// form to compare against). CubeCL 0.12's LLVM route has no fast `ex2` and does not lower
+/// inline PTX yet (our 0.11 patch of cubecl-llvm does: `vendor/README.md`).
+#[cube]
+fn exp_of(x: f32, #[comptime] libdevice: bool) -> f32 {
+    if comptime![libdevice] {
+        f32::exp(x)
+    } else {
+        let t = clamp(x * core::f32::consts::LOG2_E, -126.0f32, 126.0f32);
+        let whole = f32::floor(t);
+        let f = (t - whole) * core::f32::consts::LN_2;
+        // 1/7!, 1/6!, …, 1/1!, 1/0!
+        let mut p = 1.984_127e-4f32;
+        p = p * f + 1.388_888_9e-3f32;
+        p = p * f + 8.333_333e-3f32;
+        p = p * f + 4.166_666_8e-2f32;
+        p = p * f + 0.166_666_67f32;
+        p = p * f + 0.5f32;
+        p = p * f + 1.0f32;
+        p = p * f + 1.0f32;
+        let bits = u32::cast_from(i32::cast_from(whole) + 127) << 23u32;
+        p * f32::reinterpret(bits)
+    }
+}
+
+/// See the module documentation. `scale`: the softmax scale (`1 / √D`).
+#[cube(launch_unchecked)]
+pub fn prefill_wgmma<E: Float>(
+    q: &[E],
+    k: &[E],
+    v: &[E],
+    out: &mut [f32],
+    seq: usize,
+    scale: f32,
+    #[comptime] d: usize,
+    #[comptime] libdevice: bool,
+) {
+    let head = CUBE_POS_Y as usize;
+    let q0 = CUBE_POS_X as usize * comptime![QUERIES];
+    let base = head * seq * d;
+    let q_layout = comptime![k_major(QUERIES, d)];
+    let k_layout = comptime![k_major(KEYS, d)];
+    let v_layout = comptime![mn_major(d, KEYS)];
+    let k_step = comptime![WgmmaTileLayout::k_step(2)];
+
+    let mut smem_q = Shared::new_aligned_slice(comptime![QUERIES * d], q_layout.alignment());
+    let mut smem_k = Shared::new_aligned_slice(comptime![KEYS * d], k_layout.alignment());
+    let mut smem_v = Shared::new_aligned_slice(comptime![KEYS * d], v_layout.alignment());
+    let q_count = min(comptime![QUERIES], seq - q0);
+    stage::<E>(
+        q,
+        base + q0 * d,
+        q_count,
+        &mut smem_q,
+        q_layout,
+        QUERIES,
+        d,
+        false,
+    );
+
+    // Per unit: its two rows' running max and sum, and its share of their outputs.
+    let mut row_max = Array::<f32>::new(2usize);
+    let mut row_sum = Array::<f32>::new(2usize);
+    row_max[0] = f32::new(f64::NEG_INFINITY);
+    row_max[1] = f32::new(f64::NEG_INFINITY);
+    row_sum[0] = 0.0;
+    row_sum[1] = 0.0;
+    let outs = comptime![d / 2];
+    let mut o = Array::<f32>::new(outs);
+    #[unroll]
+    for i in 0..outs {
+        o[i] = 0.0;
+    }
+
+    let end = min(q0 + comptime![QUERIES], seq);
+    let tiles = end.div_ceil(comptime![KEYS]);
+    for t in 0..tiles {
+        let k0 = t * comptime![KEYS];
+        // Every MMA of the previous tile has read K and V (each unit waited on its own).
+        sync_cube();
+        let k_count = min(comptime![KEYS], seq - k0);
+        stage::<E>(
+            k,
+            base + k0 * d,
+            k_count,
+            &mut smem_k,
+            k_layout,
+            KEYS,
+            d,
+            false,
+        );
+        stage::<E>(
+            v,
+            base + k0 * d,
+            k_count,
+            &mut smem_v,
+            v_layout,
+            KEYS,
+            d,
+            true,
+        );
+        // The units wrote through the generic proxy; the MMAs read through the async one.
+        sync_async_proxy_shared();
+        sync_cube();
+
+        let qd = MatrixDescriptor::new(&smem_q, q_layout);
+        let kd = MatrixDescriptor::new(&smem_k, k_layout);
+        let mut s = Accumulator::<f32>::new(comptime![KEYS]).start();
+        #[unroll]
+        for step in 0..comptime![d / k_step] {
+            s.execute(&qd.at(0usize, step * k_step), &kd.at(0usize, step * k_step));
+        }
+        let s = s.wait();
+
+        // Scores, causally masked, and each row's largest.
+        let scores = comptime![KEYS / 2];
+        let mut p = Array::<f32>::new(scores);
+        let mut tile_max = Array::<f32>::new(2usize);
+        tile_max[0] = f32::new(f64::NEG_INFINITY);
+        tile_max[1] = f32::new(f64::NEG_INFINITY);
+        #[unroll]
+        for nth in 0..scores {
+            let (row, col) = position(nth);
+            let key = k0 + col;
+            let mut x = s.get(nth) * scale;
+            if key > q0 + row || key >= seq {
+                x = f32::new(f64::NEG_INFINITY);
+            }
+            p[nth] = x;
+            let half = (nth / 2) % 2;
+            tile_max[half] = max(tile_max[half], x);
+        }
+        let mut correction = Array::<f32>::new(2usize);
+        #[unroll]
+        for half in 0..2usize {
+            let m = max(row_max[half], quad_max(tile_max[half]));
+            correction[half] = exp_of(row_max[half] - m, libdevice);
+            row_max[half] = m;
+        }
+        let mut tile_sum = Array::<f32>::new(2usize);
+        tile_sum[0] = 0.0;
+        tile_sum[1] = 0.0;
+        #[unroll]
+        for nth in 0..scores {
+            let half = (nth / 2) % 2;
+            let e = exp_of(p[nth] - row_max[half], libdevice);
+            p[nth] = e;
+            tile_sum[half] += e;
+        }
+        #[unroll]
+        for half in 0..2usize {
+            row_sum[half] = row_sum[half] * correction[half] + quad_sum(tile_sum[half]);
+        }
+
+        // P·V: the scores of each 16-key step are one fragment, in the accumulator's order.
+        let vd = MatrixDescriptor::new(&smem_v, v_layout);
+        let mut pv = Accumulator::<f32>::new(d).start();
+        #[unroll]
+        for step in 0..comptime![KEYS / k_step] {
+            let mut fragment = Fragment::<E>::new();
+            #[unroll]
+            for f in 0..8usize {
+                fragment.set(f, E::cast_from(p[step * 8 + f]));
+            }
+            pv.execute_registers(&fragment, &vd.at(0usize, step * k_step));
+            // The next step writes a fragment in the same registers.
+            pv.commit().wait();
+        }
+        let pv = pv.wait();
+        #[unroll]
+        for nth in 0..outs {
+            let half = (nth / 2) % 2;
+            o[nth] = o[nth] * correction[half] + pv.get(nth);
+        }
+    }
+
+    #[unroll]
+    for nth in 0..outs {
+        let (row, col) = position(nth);
+        if q0 + row < seq {
+            let half = (nth / 2) % 2;
+            out[base + (q0 + row) * d + col] = o[nth] / row_sum[half];
+        }
+    }
+}
