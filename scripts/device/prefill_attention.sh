@@ -28,6 +28,11 @@
 #   prefill_attention.sh serve MODEL...   (dist-b/benches.xz): `benches serve` in process, random
 #       weights, 200 requests of 2,048 + 64 tokens at 16 a second (a fresh seed each run), the
 #       softmax before (exact) and after (fast), back to back -> serve-FORM-MODEL.log/json.
+#   prefill_attention.sh wgmma   (dist-hp/hopper-prefill.xz: experiments/hopper-prefill,
+#       `cargo build --release`, stripped): the warp-group-MMA prototype at the shapes of the
+#       ratio table without a prefix (a sequence of several is more heads: each head of each
+#       sequence is one independent causal attention), libdevice's exponential and the
+#       polynomial one -> wgmma.log.
 # Logs go to $OUT.
 set -uo pipefail
 source "$(dirname "$0")/unpack.sh"
@@ -58,6 +63,15 @@ for mode in "$@"; do
           | sed 's/^\s*//; s/\..*//' | sort | uniq -c | sort -rn | head -14
       done
       ls /tmp/ir | head -5
+      ;;
+    wgmma)
+      for exp in libdevice poly; do
+        for shape in "14 4096 64" "224 1024 64" "3584 512 64" "16 4096 128" "256 1024 128" \
+          "4096 512 128"; do
+          echo "== exp $exp, heads seq D: $shape"
+          HOPPER_PREFILL_EXP=$exp timeout 120 /tmp/bin/hopper-prefill $shape 2>&1 | tail -n 3
+        done
+      done | tee "$OUT/wgmma.log"
       ;;
     fa3)
       bash dist-fa3/setup.sh > /dev/null && PYTHONPATH=/tmp/fa3site timeout 300 \
