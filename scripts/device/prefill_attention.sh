@@ -31,8 +31,8 @@
 #   prefill_attention.sh wgmma   (dist-hp/hopper-prefill.xz: experiments/hopper-prefill,
 #       `cargo build --release`, stripped): the warp-group-MMA prototype at the shapes of the
 #       ratio table without a prefix (a sequence of several is more heads: each head of each
-#       sequence is one independent causal attention), libdevice's exponential and the
-#       polynomial one -> wgmma.log.
+#       sequence is one independent causal attention): libdevice's exponential with P from
+#       registers and from shared memory, the polynomial exponential -> wgmma.log.
 # Logs go to $OUT.
 set -uo pipefail
 source "$(dirname "$0")/unpack.sh"
@@ -65,11 +65,12 @@ for mode in "$@"; do
       ls /tmp/ir | head -5
       ;;
     wgmma)
-      for exp in libdevice poly; do
+      for form in libdevice,registers libdevice,shared poly,registers; do
         for shape in "14 4096 64" "224 1024 64" "3584 512 64" "16 4096 128" "256 1024 128" \
           "4096 512 128"; do
-          echo "== exp $exp, heads seq D: $shape"
-          HOPPER_PREFILL_EXP=$exp timeout 120 /tmp/bin/hopper-prefill $shape 2>&1 | tail -n 3
+          echo "== exp, P: $form; heads seq D: $shape"
+          HOPPER_PREFILL_EXP=${form%,*} HOPPER_PREFILL_P=${form#*,} timeout 120 \
+            /tmp/bin/hopper-prefill $shape 2>&1 | tail -n 3
         done
       done | tee "$OUT/wgmma.log"
       ;;

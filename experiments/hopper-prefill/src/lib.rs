@@ -11,6 +11,9 @@
 //! the four lanes that share it), and adds `P·V` with `P` as register fragments (the
 //! accumulator's layout of `S` is the fragments' layout, eight elements a 16-key step).
 //!
+//! With `p_shared`, P goes through a shared tile instead (K-major, 64 × [`KEYS`]) and `P·V`'s
+//! MMAs read both operands from shared memory, issued together.
+//!
 //! Not yet FA3: no TMA, no producer warp, no ring of stages (each tile is loaded by the units,
 //! then computed on), and `P·V` goes to a fresh accumulator that is added to the running output
 //! (CubeCL 0.12's accumulator cannot be rescaled in place).
@@ -149,6 +152,7 @@ pub fn prefill_wgmma<E: Float>(
     scale: f32,
     #[comptime] d: usize,
     #[comptime] libdevice: bool,
+    #[comptime] p_shared: bool,
 ) {
     let head = CUBE_POS_Y as usize;
     let q0 = CUBE_POS_X as usize * comptime![QUERIES];
@@ -161,6 +165,9 @@ pub fn prefill_wgmma<E: Float>(
     let mut smem_q = Shared::new_aligned_slice(comptime![QUERIES * d], q_layout.alignment());
     let mut smem_k = Shared::new_aligned_slice(comptime![KEYS * d], k_layout.alignment());
     let mut smem_v = Shared::new_aligned_slice(comptime![KEYS * d], v_layout.alignment());
+    let p_layout = comptime![k_major(QUERIES, KEYS)];
+    let p_len = comptime![if p_shared { QUERIES * KEYS } else { 1 }];
+    let mut smem_p = Shared::<[E]>::new_aligned_slice(p_len, p_layout.alignment());
     let q_count = min(comptime![QUERIES], seq - q0);
     stage::<E>(
         q,
@@ -267,19 +274,36 @@ pub fn prefill_wgmma<E: Float>(
             row_sum[half] = row_sum[half] * correction[half] + quad_sum(tile_sum[half]);
         }
 
-        // P·V: the scores of each 16-key step are one fragment, in the accumulator's order.
+        // P·V, P from registers (the scores of each 16-key step are one fragment, in the
+        // accumulator's order; one MMA at a time, since the next step's fragment may take the
+        // same registers) or, with `p_shared`, from a shared tile (all four MMAs, one wait).
         let vd = MatrixDescriptor::new(&smem_v, v_layout);
         let mut pv = Accumulator::<f32>::new(d).start();
-        #[unroll]
-        for step in 0..comptime![KEYS / k_step] {
-            let mut fragment = Fragment::<E>::new();
+        if comptime![p_shared] {
+            let elem = E::size();
             #[unroll]
-            for f in 0..8usize {
-                fragment.set(f, E::cast_from(p[step * 8 + f]));
+            for nth in 0..scores {
+                let (row, col) = position(nth);
+                smem_p[p_layout.offset(row, col, elem)] = E::cast_from(p[nth]);
             }
-            pv.execute_registers(&fragment, &vd.at(0usize, step * k_step));
-            // The next step writes a fragment in the same registers.
-            pv.commit().wait();
+            sync_async_proxy_shared();
+            sync_cube();
+            let pd = MatrixDescriptor::new(&smem_p, p_layout);
+            #[unroll]
+            for step in 0..comptime![KEYS / k_step] {
+                pv.execute(&pd.at(0usize, step * k_step), &vd.at(0usize, step * k_step));
+            }
+        } else {
+            #[unroll]
+            for step in 0..comptime![KEYS / k_step] {
+                let mut fragment = Fragment::<E>::new();
+                #[unroll]
+                for f in 0..8usize {
+                    fragment.set(f, E::cast_from(p[step * 8 + f]));
+                }
+                pv.execute_registers(&fragment, &vd.at(0usize, step * k_step));
+                pv.commit().wait();
+            }
         }
         let pv = pv.wait();
         #[unroll]

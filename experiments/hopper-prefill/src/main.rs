@@ -49,6 +49,8 @@ fn main() {
     let scale = 1.0 / (d as f32).sqrt();
     // libdevice's `expf` unless HOPPER_PREFILL_EXP=poly.
     let libdevice = std::env::var("HOPPER_PREFILL_EXP").map_or(true, |v| v != "poly");
+    // P from registers unless HOPPER_PREFILL_P=shared.
+    let p_shared = std::env::var("HOPPER_PREFILL_P").is_ok_and(|v| v == "shared");
     let launch = || unsafe {
         prefill_wgmma::launch_unchecked::<Bf16>(
             &client,
@@ -62,6 +64,7 @@ fn main() {
             scale,
             d,
             libdevice,
+            p_shared,
         )
     };
     launch();
@@ -92,8 +95,10 @@ fn main() {
         }
     }
     println!(
-        "heads {heads} seq {seq} D {d} (exp: {}): largest error against the reference {worst:.3e}",
-        if libdevice { "libdevice" } else { "polynomial" }
+        "heads {heads} seq {seq} D {d} (exp: {}, P: {}): largest error against the reference \
+         {worst:.3e}",
+        if libdevice { "libdevice" } else { "polynomial" },
+        if p_shared { "shared" } else { "registers" }
     );
 
     let sync = || cubecl::future::block_on(client.sync()).expect("sync");

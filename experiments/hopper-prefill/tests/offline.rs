@@ -29,7 +29,7 @@ fn hopper() -> Arc<DeviceProperties> {
     Arc::new(props)
 }
 
-fn ptx(d: usize) -> String {
+fn ptx(d: usize, p_shared: bool) -> String {
     let settings = KernelSettings::new(
         *CubeDim::new_1d(UNITS as u32),
         ExecutionMode::Unchecked,
@@ -47,6 +47,7 @@ fn ptx(d: usize) -> String {
         (),
         d,
         false,
+        p_shared,
     );
     let options = PlironOptions {
         sm_arch: Some(SmArch::new(90, true)),
@@ -70,11 +71,12 @@ fn ptx(d: usize) -> String {
 
 #[test]
 fn both_products_are_warpgroup_mmas() {
-    for d in [64, 128] {
-        let ptx = ptx(d);
+    for (d, p_shared) in [(64, false), (128, false), (64, true), (128, true)] {
+        let ptx = ptx(d, p_shared);
         // HOPPER_PREFILL_PTX_DIR=DIR keeps the PTX for reading.
         if let Ok(dir) = std::env::var("HOPPER_PREFILL_PTX_DIR") {
-            std::fs::write(format!("{dir}/prefill_wgmma_d{d}.ptx"), &ptx).unwrap();
+            let p = if p_shared { "-p-shared" } else { "" };
+            std::fs::write(format!("{dir}/prefill_wgmma_d{d}{p}.ptx"), &ptx).unwrap();
         }
         // S = Q·Kᵀ: D / 16 MMAs of n = KEYS; P·V: KEYS / 16 MMAs of n = D, A from registers.
         let s = ptx
@@ -83,7 +85,13 @@ fn both_products_are_warpgroup_mmas() {
         let pv = ptx
             .matches(&format!("wgmma.mma_async.sync.aligned.m64n{d}k16"))
             .count();
-        assert!(s >= d / 16, "D {d}: {s} MMAs for S:\n{ptx}");
-        assert!(pv >= KEYS / 16, "D {d}: {pv} MMAs for P·V:\n{ptx}");
+        assert!(
+            s >= d / 16,
+            "D {d}, P shared {p_shared}: {s} MMAs for S:\n{ptx}"
+        );
+        assert!(
+            pv >= KEYS / 16,
+            "D {d}, P shared {p_shared}: {pv} MMAs for P·V:\n{ptx}"
+        );
     }
 }
