@@ -30,8 +30,9 @@
 #       softmax before (exact) and after (fast), back to back -> serve-FORM-MODEL.log/json.
 #   prefill_attention.sh wgmma   (dist-hp/hopper-prefill.xz: experiments/hopper-prefill,
 #       `cargo build --release`, stripped): the warp-group-MMA prototype at the shapes of the
-#       ratio table without a prefix (a sequence of several is more heads: each head of each
-#       sequence is one independent causal attention): libdevice's exponential with P from
+#       ratio table without a prefix (several sequences are more heads: each head of each
+#       sequence is one independent causal attention; Qwen2's 7 and Qwen3's 2 query heads a kv
+#       head): libdevice's exponential with P from
 #       registers and from shared memory, the polynomial exponential -> wgmma.log.
 # Logs go to $OUT.
 set -uo pipefail
@@ -66,9 +67,9 @@ for mode in "$@"; do
       ;;
     wgmma)
       for form in libdevice,registers libdevice,shared poly,registers; do
-        for shape in "14 4096 64" "224 1024 64" "3584 512 64" "16 4096 128" "256 1024 128" \
-          "4096 512 128"; do
-          echo "== exp, P: $form; heads seq D: $shape"
+        for shape in "14 4096 64 7" "224 1024 64 7" "3584 512 64 7" "16 4096 128 2" \
+          "256 1024 128 2" "4096 512 128 2"; do
+          echo "== exp, P: $form; heads seq D group: $shape"
           HOPPER_PREFILL_EXP=${form%,*} HOPPER_PREFILL_P=${form#*,} timeout 120 \
             /tmp/bin/hopper-prefill $shape 2>&1 | tail -n 3
         done

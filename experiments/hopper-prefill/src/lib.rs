@@ -18,8 +18,9 @@
 //! then computed on), and `P·V` goes to a fresh accumulator that is added to the running output
 //! (CubeCL 0.12's accumulator cannot be rescaled in place).
 //!
-//! Layout: `q`, `k`, `v` `[heads, seq, D]` contiguous, one kv head per query head (the grouping
-//! of GQA is a later step); `out [heads, seq, D]` f32.
+//! Layout: `q [heads, seq, D]`, `k` and `v` `[heads / group, seq, D]` contiguous (query head `h`
+//! reads kv head `h / group`; each cube stages its own copy of K and V), `out [heads, seq, D]`
+//! f32. Several sequences of one length are more heads.
 
 use cubecl::prelude::*;
 use cubecl::wgmma::{Accumulator, Fragment, Major, MatrixDescriptor, Swizzle, WgmmaTileLayout};
@@ -141,7 +142,8 @@ fn exp_of(x: f32, #[comptime] libdevice: bool) -> f32 {
     }
 }
 
-/// See the module documentation. `scale`: the softmax scale (`1 / √D`).
+/// See the module documentation. `group`: query heads per kv head; `scale`: the softmax scale
+/// (`1 / √D`).
 #[cube(launch_unchecked)]
 pub fn prefill_wgmma<E: Float>(
     q: &[E],
@@ -149,6 +151,7 @@ pub fn prefill_wgmma<E: Float>(
     v: &[E],
     out: &mut [f32],
     seq: usize,
+    group: usize,
     scale: f32,
     #[comptime] d: usize,
     #[comptime] libdevice: bool,
@@ -157,6 +160,7 @@ pub fn prefill_wgmma<E: Float>(
     let head = CUBE_POS_Y as usize;
     let q0 = CUBE_POS_X as usize * comptime![QUERIES];
     let base = head * seq * d;
+    let kv_base = (head / group) * seq * d;
     let q_layout = comptime![k_major(QUERIES, d)];
     let k_layout = comptime![k_major(KEYS, d)];
     let v_layout = comptime![mn_major(d, KEYS)];
@@ -203,7 +207,7 @@ pub fn prefill_wgmma<E: Float>(
         let k_count = min(comptime![KEYS], seq - k0);
         stage::<E>(
             k,
-            base + k0 * d,
+            kv_base + k0 * d,
             k_count,
             &mut smem_k,
             k_layout,
@@ -213,7 +217,7 @@ pub fn prefill_wgmma<E: Float>(
         );
         stage::<E>(
             v,
-            base + k0 * d,
+            kv_base + k0 * d,
             k_count,
             &mut smem_v,
             v_layout,

@@ -1,7 +1,8 @@
 //! Runs [`hopper_prefill::prefill_wgmma`] on CUDA device 0: causal attention of random bf16
 //! Q, K, V against a host reference (f64 sums), then times it.
 //!
-//! `hopper-prefill [HEADS SEQ D [ITERS]]` (default 14 4096 64 20). Prints the largest error
+//! `hopper-prefill [HEADS SEQ D [GROUP [ITERS]]]` (default 14 4096 64 7 20: Qwen2-0.5B's heads;
+//! several sequences are more heads, `GROUP` query heads a kv head). Prints the largest error
 //! against the reference over the checked rows and the kernel's TFLOP/s (causal: `2·heads·D·seq²`
 //! multiply-adds counted as FLOPs, as FlashAttention counts them).
 
@@ -25,8 +26,13 @@ fn main() {
         [h, s, d, ..] => (h, s, d),
         _ => (14, 4096, 64),
     };
-    let iters = args.get(3).copied().unwrap_or(20);
+    let group = args
+        .get(3)
+        .copied()
+        .unwrap_or(if args.is_empty() { 7 } else { 1 });
+    let iters = args.get(4).copied().unwrap_or(20);
     assert!(d == 64 || d == 128, "D is 64 or 128");
+    assert!(group > 0 && heads % group == 0, "GROUP divides HEADS");
     let client = cubecl::cuda::CudaRuntime::client(&Default::default());
 
     // A small deterministic generator: values in [-1, 1).
@@ -42,7 +48,8 @@ fn main() {
             .collect()
     };
     let n = heads * seq * d;
-    let (q, k, v) = (random(n), random(n), random(n));
+    let kv_n = n / group;
+    let (q, k, v) = (random(n), random(kv_n), random(kv_n));
     let upload = |x: &[Bf16]| client.create_from_slice(Bf16::as_bytes(x));
     let (qh, kh, vh) = (upload(&q), upload(&k), upload(&v));
     let out = client.create_from_slice(f32::as_bytes(&vec![0.0f32; n]));
@@ -57,10 +64,11 @@ fn main() {
             CubeCount::Static(seq.div_ceil(QUERIES) as u32, heads as u32, 1),
             CubeDim::new_1d(UNITS as u32),
             BufferArg::from_raw_parts(qh.clone(), n),
-            BufferArg::from_raw_parts(kh.clone(), n),
-            BufferArg::from_raw_parts(vh.clone(), n),
+            BufferArg::from_raw_parts(kh.clone(), kv_n),
+            BufferArg::from_raw_parts(vh.clone(), kv_n),
             BufferArg::from_raw_parts(out.clone(), n),
             seq,
+            group,
             scale,
             d,
             libdevice,
@@ -78,7 +86,7 @@ fn main() {
             let qi = (h * seq + row) * d;
             let scores: Vec<f64> = (0..=row)
                 .map(|key| {
-                    let ki = (h * seq + key) * d;
+                    let ki = (h / group * seq + key) * d;
                     (0..d).map(|c| f(&q, qi + c) * f(&k, ki + c)).sum::<f64>() * scale as f64
                 })
                 .collect();
@@ -87,7 +95,7 @@ fn main() {
             let total: f64 = w.iter().sum();
             for c in 0..d {
                 let want: f64 = (0..=row)
-                    .map(|key| w[key] * f(&v, (h * seq + key) * d + c))
+                    .map(|key| w[key] * f(&v, (h / group * seq + key) * d + c))
                     .sum::<f64>()
                     / total;
                 worst = worst.max((got[qi + c] as f64 - want).abs());
@@ -95,8 +103,8 @@ fn main() {
         }
     }
     println!(
-        "heads {heads} seq {seq} D {d} (exp: {}, P: {}): largest error against the reference \
-         {worst:.3e}",
+        "heads {heads} seq {seq} D {d} group {group} (exp: {}, P: {}): largest error against the \
+         reference {worst:.3e}",
         if libdevice { "libdevice" } else { "polynomial" },
         if p_shared { "shared" } else { "registers" }
     );

@@ -45,6 +45,7 @@ fn ptx(d: usize, p_shared: bool) -> String {
         BufferCompilationArg { inplace: None },
         (),
         (),
+        (),
         d,
         false,
         p_shared,
