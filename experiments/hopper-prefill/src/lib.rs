@@ -164,14 +164,10 @@ pub fn prefill_wgmma<E: Float>(
     let q_layout = comptime![k_major(QUERIES, d)];
     let k_layout = comptime![k_major(KEYS, d)];
     let v_layout = comptime![mn_major(d, KEYS)];
-    let k_step = comptime![WgmmaTileLayout::k_step(2)];
 
     let mut smem_q = Shared::new_aligned_slice(comptime![QUERIES * d], q_layout.alignment());
     let mut smem_k = Shared::new_aligned_slice(comptime![KEYS * d], k_layout.alignment());
     let mut smem_v = Shared::new_aligned_slice(comptime![KEYS * d], v_layout.alignment());
-    let p_layout = comptime![k_major(QUERIES, KEYS)];
-    let p_len = comptime![if p_shared { QUERIES * KEYS } else { 1 }];
-    let mut smem_p = Shared::<[E]>::new_aligned_slice(p_len, p_layout.alignment());
     let q_count = min(comptime![QUERIES], seq - q0);
     stage::<E>(
         q,
@@ -185,18 +181,9 @@ pub fn prefill_wgmma<E: Float>(
     );
 
     // Per unit: its two rows' running max and sum, and its share of their outputs.
-    let mut row_max = Array::<f32>::new(2usize);
-    let mut row_sum = Array::<f32>::new(2usize);
-    row_max[0] = f32::new(f64::NEG_INFINITY);
-    row_max[1] = f32::new(f64::NEG_INFINITY);
-    row_sum[0] = 0.0;
-    row_sum[1] = 0.0;
-    let outs = comptime![d / 2];
-    let mut o = Array::<f32>::new(outs);
-    #[unroll]
-    for i in 0..outs {
-        o[i] = 0.0;
-    }
+    let mut state = Array::<f32>::new(4usize);
+    let mut o = Array::<f32>::new(comptime![d / 2]);
+    start_rows(&mut state, &mut o, d);
 
     let end = min(q0 + comptime![QUERIES], seq);
     let tiles = end.div_ceil(comptime![KEYS]);
@@ -229,100 +216,161 @@ pub fn prefill_wgmma<E: Float>(
         sync_async_proxy_shared();
         sync_cube();
 
-        let qd = MatrixDescriptor::new(&smem_q, q_layout);
-        let kd = MatrixDescriptor::new(&smem_k, k_layout);
-        let mut s = Accumulator::<f32>::new(comptime![KEYS]).start();
-        #[unroll]
-        for step in 0..comptime![d / k_step] {
-            s.execute(&qd.at(0usize, step * k_step), &kd.at(0usize, step * k_step));
-        }
-        let s = s.wait();
+        attend_tile::<E>(
+            &smem_q, &smem_k, &smem_v, q0, k0, seq, scale, &mut state, &mut o, d, libdevice,
+            p_shared,
+        );
+    }
 
-        // Scores, causally masked, and each row's largest.
-        let scores = comptime![KEYS / 2];
-        let mut p = Array::<f32>::new(scores);
-        let mut tile_max = Array::<f32>::new(2usize);
-        tile_max[0] = f32::new(f64::NEG_INFINITY);
-        tile_max[1] = f32::new(f64::NEG_INFINITY);
+    write_rows(&state, &o, out, base, q0, seq, d);
+}
+
+/// Zeroes a unit's outputs and sets its rows' running max to −∞ and sums to 0 (`state`: max of
+/// its two rows, then their sums).
+#[cube]
+fn start_rows(state: &mut Array<f32>, o: &mut Array<f32>, #[comptime] d: usize) {
+    state[0] = f32::new(f64::NEG_INFINITY);
+    state[1] = f32::new(f64::NEG_INFINITY);
+    state[2] = 0.0;
+    state[3] = 0.0;
+    #[unroll]
+    for i in 0..comptime![d / 2] {
+        o[i] = 0.0;
+    }
+}
+
+/// Attends the cube's query tile (`smem_q`, from row `q0`) to the key tile staged in `smem_k`
+/// and `smem_v` (from key `k0`): `S`, the online softmax into `state` and `o`, and `P·V` (see
+/// the module documentation).
+#[cube]
+#[allow(clippy::too_many_arguments)]
+fn attend_tile<E: Float>(
+    smem_q: &[E],
+    smem_k: &[E],
+    smem_v: &[E],
+    q0: usize,
+    k0: usize,
+    seq: usize,
+    scale: f32,
+    state: &mut Array<f32>,
+    o: &mut Array<f32>,
+    #[comptime] d: usize,
+    #[comptime] libdevice: bool,
+    #[comptime] p_shared: bool,
+) {
+    let q_layout = comptime![k_major(QUERIES, d)];
+    let k_layout = comptime![k_major(KEYS, d)];
+    let v_layout = comptime![mn_major(d, KEYS)];
+    let p_layout = comptime![k_major(QUERIES, KEYS)];
+    let k_step = comptime![WgmmaTileLayout::k_step(2)];
+    // P's tile, with `p_shared` (one element otherwise).
+    let p_len = comptime![if p_shared { QUERIES * KEYS } else { 1 }];
+    let mut smem_p = Shared::<[E]>::new_aligned_slice(p_len, p_layout.alignment());
+    let qd = MatrixDescriptor::new(&smem_q, q_layout);
+    let kd = MatrixDescriptor::new(&smem_k, k_layout);
+    let mut s = Accumulator::<f32>::new(comptime![KEYS]).start();
+    #[unroll]
+    for step in 0..comptime![d / k_step] {
+        s.execute(&qd.at(0usize, step * k_step), &kd.at(0usize, step * k_step));
+    }
+    let s = s.wait();
+
+    // Scores, causally masked, and each row's largest.
+    let scores = comptime![KEYS / 2];
+    let mut p = Array::<f32>::new(scores);
+    let mut tile_max = Array::<f32>::new(2usize);
+    tile_max[0] = f32::new(f64::NEG_INFINITY);
+    tile_max[1] = f32::new(f64::NEG_INFINITY);
+    #[unroll]
+    for nth in 0..scores {
+        let (row, col) = position(nth);
+        let key = k0 + col;
+        let mut x = s.get(nth) * scale;
+        if key > q0 + row || key >= seq {
+            x = f32::new(f64::NEG_INFINITY);
+        }
+        p[nth] = x;
+        let half = (nth / 2) % 2;
+        tile_max[half] = max(tile_max[half], x);
+    }
+    let mut correction = Array::<f32>::new(2usize);
+    #[unroll]
+    for half in 0..2usize {
+        let m = max(state[half], quad_max(tile_max[half]));
+        correction[half] = exp_of(state[half] - m, libdevice);
+        state[half] = m;
+    }
+    let mut tile_sum = Array::<f32>::new(2usize);
+    tile_sum[0] = 0.0;
+    tile_sum[1] = 0.0;
+    #[unroll]
+    for nth in 0..scores {
+        let half = (nth / 2) % 2;
+        let e = exp_of(p[nth] - state[half], libdevice);
+        p[nth] = e;
+        tile_sum[half] += e;
+    }
+    #[unroll]
+    for half in 0..2usize {
+        state[2 + half] = state[2 + half] * correction[half] + quad_sum(tile_sum[half]);
+    }
+
+    // P·V, P from registers (the scores of each 16-key step are one fragment, in the
+    // accumulator's order; one MMA at a time, since the next step's fragment may take the
+    // same registers) or, with `p_shared`, from a shared tile (all four MMAs, one wait).
+    let vd = MatrixDescriptor::new(&smem_v, v_layout);
+    let mut pv = Accumulator::<f32>::new(d).start();
+    if comptime![p_shared] {
+        let elem = E::size();
         #[unroll]
         for nth in 0..scores {
             let (row, col) = position(nth);
-            let key = k0 + col;
-            let mut x = s.get(nth) * scale;
-            if key > q0 + row || key >= seq {
-                x = f32::new(f64::NEG_INFINITY);
-            }
-            p[nth] = x;
-            let half = (nth / 2) % 2;
-            tile_max[half] = max(tile_max[half], x);
+            smem_p[p_layout.offset(row, col, elem)] = E::cast_from(p[nth]);
         }
-        let mut correction = Array::<f32>::new(2usize);
+        sync_async_proxy_shared();
+        sync_cube();
+        let pd = MatrixDescriptor::new(&smem_p, p_layout);
         #[unroll]
-        for half in 0..2usize {
-            let m = max(row_max[half], quad_max(tile_max[half]));
-            correction[half] = exp_of(row_max[half] - m, libdevice);
-            row_max[half] = m;
+        for step in 0..comptime![KEYS / k_step] {
+            pv.execute(&pd.at(0usize, step * k_step), &vd.at(0usize, step * k_step));
         }
-        let mut tile_sum = Array::<f32>::new(2usize);
-        tile_sum[0] = 0.0;
-        tile_sum[1] = 0.0;
+    } else {
         #[unroll]
-        for nth in 0..scores {
-            let half = (nth / 2) % 2;
-            let e = exp_of(p[nth] - row_max[half], libdevice);
-            p[nth] = e;
-            tile_sum[half] += e;
-        }
-        #[unroll]
-        for half in 0..2usize {
-            row_sum[half] = row_sum[half] * correction[half] + quad_sum(tile_sum[half]);
-        }
-
-        // P·V, P from registers (the scores of each 16-key step are one fragment, in the
-        // accumulator's order; one MMA at a time, since the next step's fragment may take the
-        // same registers) or, with `p_shared`, from a shared tile (all four MMAs, one wait).
-        let vd = MatrixDescriptor::new(&smem_v, v_layout);
-        let mut pv = Accumulator::<f32>::new(d).start();
-        if comptime![p_shared] {
-            let elem = E::size();
+        for step in 0..comptime![KEYS / k_step] {
+            let mut fragment = Fragment::<E>::new();
             #[unroll]
-            for nth in 0..scores {
-                let (row, col) = position(nth);
-                smem_p[p_layout.offset(row, col, elem)] = E::cast_from(p[nth]);
+            for f in 0..8usize {
+                fragment.set(f, E::cast_from(p[step * 8 + f]));
             }
-            sync_async_proxy_shared();
-            sync_cube();
-            let pd = MatrixDescriptor::new(&smem_p, p_layout);
-            #[unroll]
-            for step in 0..comptime![KEYS / k_step] {
-                pv.execute(&pd.at(0usize, step * k_step), &vd.at(0usize, step * k_step));
-            }
-        } else {
-            #[unroll]
-            for step in 0..comptime![KEYS / k_step] {
-                let mut fragment = Fragment::<E>::new();
-                #[unroll]
-                for f in 0..8usize {
-                    fragment.set(f, E::cast_from(p[step * 8 + f]));
-                }
-                pv.execute_registers(&fragment, &vd.at(0usize, step * k_step));
-                pv.commit().wait();
-            }
-        }
-        let pv = pv.wait();
-        #[unroll]
-        for nth in 0..outs {
-            let half = (nth / 2) % 2;
-            o[nth] = o[nth] * correction[half] + pv.get(nth);
+            pv.execute_registers(&fragment, &vd.at(0usize, step * k_step));
+            pv.commit().wait();
         }
     }
-
+    let pv = pv.wait();
     #[unroll]
-    for nth in 0..outs {
+    for nth in 0..comptime![d / 2] {
+        let half = (nth / 2) % 2;
+        o[nth] = o[nth] * correction[half] + pv.get(nth);
+    }
+}
+
+/// Writes a unit's share of its rows' outputs, `o / sum`, to `out` (rows below `seq` only).
+#[cube]
+fn write_rows(
+    state: &Array<f32>,
+    o: &Array<f32>,
+    out: &mut [f32],
+    base: usize,
+    q0: usize,
+    seq: usize,
+    #[comptime] d: usize,
+) {
+    #[unroll]
+    for nth in 0..comptime![d / 2] {
         let (row, col) = position(nth);
         if q0 + row < seq {
             let half = (nth / 2) % 2;
-            out[base + (q0 + row) * d + col] = o[nth] / row_sum[half];
+            out[base + (q0 + row) * d + col] = o[nth] / state[2 + half];
         }
     }
 }
