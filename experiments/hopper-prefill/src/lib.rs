@@ -266,8 +266,8 @@ fn attend_tile<E: Float>(
     // P's tile, with `p_shared` (one element otherwise).
     let p_len = comptime![if p_shared { QUERIES * KEYS } else { 1 }];
     let mut smem_p = Shared::<[E]>::new_aligned_slice(p_len, p_layout.alignment());
-    let qd = MatrixDescriptor::new(&smem_q, q_layout);
-    let kd = MatrixDescriptor::new(&smem_k, k_layout);
+    let qd = MatrixDescriptor::new(smem_q, q_layout);
+    let kd = MatrixDescriptor::new(smem_k, k_layout);
     let mut s = Accumulator::<f32>::new(comptime![KEYS]).start();
     #[unroll]
     for step in 0..comptime![d / k_step] {
@@ -318,7 +318,7 @@ fn attend_tile<E: Float>(
     // P·V, P from registers (the scores of each 16-key step are one fragment, in the
     // accumulator's order; one MMA at a time, since the next step's fragment may take the
     // same registers) or, with `p_shared`, from a shared tile (all four MMAs, one wait).
-    let vd = MatrixDescriptor::new(&smem_v, v_layout);
+    let vd = MatrixDescriptor::new(smem_v, v_layout);
     let mut pv = Accumulator::<f32>::new(d).start();
     if comptime![p_shared] {
         let elem = E::size();
