@@ -32,8 +32,8 @@
 #       `cargo build --release`, stripped): the warp-group-MMA prototype at the shapes of the
 #       ratio table without a prefix (several sequences are more heads: each head of each
 #       sequence is one independent causal attention; Qwen2's 7 and Qwen3's 2 query heads a kv
-#       head): libdevice's exponential with P from
-#       registers and from shared memory, the polynomial exponential -> wgmma.log.
+#       head): tiles staged by the units or loaded by TMA, P from registers or shared memory,
+#       libdevice's or the polynomial exponential -> wgmma.log.
 # Logs go to $OUT.
 set -uo pipefail
 source "$(dirname "$0")/unpack.sh"
@@ -66,11 +66,13 @@ for mode in "$@"; do
       ls /tmp/ir | head -5
       ;;
     wgmma)
-      for form in libdevice,registers libdevice,shared poly,registers; do
+      for form in libdevice,registers,units libdevice,shared,units libdevice,registers,tma \
+        libdevice,shared,tma poly,registers,tma; do
         for shape in "14 4096 64 7" "224 1024 64 7" "3584 512 64 7" "16 4096 128 2" \
           "256 1024 128 2" "4096 512 128 2"; do
-          echo "== exp, P: $form; heads seq D group: $shape"
-          HOPPER_PREFILL_EXP=${form%,*} HOPPER_PREFILL_P=${form#*,} timeout 120 \
+          IFS=, read -r exp p load <<< "$form"
+          echo "== exp, P, loads: $form; heads seq D group: $shape"
+          HOPPER_PREFILL_EXP=$exp HOPPER_PREFILL_P=$p HOPPER_PREFILL_LOAD=$load timeout 120 \
             /tmp/bin/hopper-prefill $shape 2>&1 | tail -n 3
         done
       done | tee "$OUT/wgmma.log"

@@ -14,14 +14,18 @@
 //! With `p_shared`, P goes through a shared tile instead (K-major, 64 × [`KEYS`]) and `P·V`'s
 //! MMAs read both operands from shared memory, issued together.
 //!
-//! Not yet FA3: no TMA, no producer warp, no ring of stages (each tile is loaded by the units,
-//! then computed on), and `P·V` goes to a fresh accumulator that is added to the running output
-//! (CubeCL 0.12's accumulator cannot be rescaled in place).
+//! Two loaders: [`prefill_wgmma`]'s units stage each tile element by element;
+//! [`prefill_wgmma_tma`] loads each 128-byte panel of a tile with one TMA copy on an mbarrier.
+//!
+//! Not yet FA3: no producer warp, no ring of stages (each tile is loaded, then computed on), and
+//! `P·V` goes to a fresh accumulator that is added to the running output (CubeCL 0.12's
+//! accumulator cannot be rescaled in place).
 //!
 //! Layout: `q [heads, seq, D]`, `k` and `v` `[heads / group, seq, D]` contiguous (query head `h`
 //! reads kv head `h / group`; each cube stages its own copy of K and V), `out [heads, seq, D]`
 //! f32. Several sequences of one length are more heads.
 
+use cubecl::prelude::barrier::Barrier;
 use cubecl::prelude::*;
 use cubecl::wgmma::{Accumulator, Fragment, Major, MatrixDescriptor, Swizzle, WgmmaTileLayout};
 
@@ -373,4 +377,98 @@ fn write_rows(
             out[base + (q0 + row) * d + col] = o[nth] / state[2 + half];
         }
     }
+}
+
+/// Elements of a 128-byte panel of bf16/f16: the inner dimension of each TMA box.
+pub const PANEL: usize = 64;
+
+/// [`prefill_wgmma`] with its tiles loaded by TMA: `q`, `k` and `v` are tensor maps over
+/// `[heads · seq, D]` (`k`, `v`: `[heads / group · seq, D]`) with boxes of 64 rows × [`PANEL`]
+/// elements and the 128-byte swizzle, so that each box is one panel of a tile as the MMAs read it
+/// (Q and K K-major; V's rows are keys with D contiguous: an MN-major `B` for `P·V`). Unit 0
+/// issues the copies, the cube waits on one shared barrier (a phase per tile). Rows past a head's
+/// end read the next head's (masked as keys, not written as queries) or TMA's zeros.
+#[cube(launch_unchecked)]
+#[allow(clippy::too_many_arguments)]
+pub fn prefill_wgmma_tma<E: Float>(
+    q: &TensorMap<E, Tiled>,
+    k: &TensorMap<E, Tiled>,
+    v: &TensorMap<E, Tiled>,
+    out: &mut [f32],
+    seq: usize,
+    group: usize,
+    scale: f32,
+    #[comptime] d: usize,
+    #[comptime] libdevice: bool,
+    #[comptime] p_shared: bool,
+) {
+    let head = CUBE_POS_Y as usize;
+    let q0 = CUBE_POS_X as usize * comptime![QUERIES];
+    let q_row = head * seq + q0;
+    let kv_row = (head / group) * seq;
+    let q_layout = comptime![k_major(QUERIES, d)];
+    let k_layout = comptime![k_major(KEYS, d)];
+    let v_layout = comptime![mn_major(d, KEYS)];
+    let panels = comptime![d / PANEL];
+
+    let barrier = Barrier::shared(CUBE_DIM, UNIT_POS == 0);
+    sync_async_proxy_shared();
+    let mut smem_q = Shared::new_aligned_slice(comptime![QUERIES * d], q_layout.alignment());
+    let mut smem_k = Shared::new_aligned_slice(comptime![KEYS * d], k_layout.alignment());
+    let mut smem_v = Shared::new_aligned_slice(comptime![KEYS * d], v_layout.alignment());
+
+    let q_box = comptime![QUERIES * PANEL];
+    if UNIT_POS == 0 {
+        #[unroll]
+        for p in 0..panels {
+            barrier.tma_load_2d(
+                q,
+                smem_q.slice_mut(p * q_box, (p + 1) * q_box),
+                q_row as i32,
+                (p * comptime![PANEL]) as i32,
+            );
+        }
+    }
+    let q_bytes = comptime![(QUERIES * d * 2) as u32];
+    let token = barrier.arrive_and_expect_tx(1, select(UNIT_POS == 0, q_bytes, 0));
+    barrier.wait(token);
+
+    let mut state = Array::<f32>::new(4usize);
+    let mut o = Array::<f32>::new(comptime![d / 2]);
+    start_rows(&mut state, &mut o, d);
+
+    let kv_box = comptime![KEYS * PANEL];
+    let kv_bytes = comptime![(2 * KEYS * d * 2) as u32];
+    let end = min(q0 + comptime![QUERIES], seq);
+    let tiles = end.div_ceil(comptime![KEYS]);
+    for t in 0..tiles {
+        let k0 = t * comptime![KEYS];
+        // Every MMA of the previous tile has read K and V (each unit waited on its own).
+        sync_cube();
+        if UNIT_POS == 0 {
+            #[unroll]
+            for p in 0..panels {
+                let col = (p * comptime![PANEL]) as i32;
+                barrier.tma_load_2d(
+                    k,
+                    smem_k.slice_mut(p * kv_box, (p + 1) * kv_box),
+                    (kv_row + k0) as i32,
+                    col,
+                );
+                barrier.tma_load_2d(
+                    v,
+                    smem_v.slice_mut(p * kv_box, (p + 1) * kv_box),
+                    (kv_row + k0) as i32,
+                    col,
+                );
+            }
+        }
+        let token = barrier.arrive_and_expect_tx(1, select(UNIT_POS == 0, kv_bytes, 0));
+        barrier.wait(token);
+        attend_tile::<E>(
+            &smem_q, &smem_k, &smem_v, q0, k0, seq, scale, &mut state, &mut o, d, libdevice,
+            p_shared,
+        );
+    }
+    write_rows(&state, &o, out, head * seq * d, q0, seq, d);
 }

@@ -9,8 +9,9 @@
 use std::time::Instant;
 
 use cubecl::prelude::*;
+use cubecl::zspace::Shape;
 use cubecl_runtime::runtime::Runtime;
-use hopper_prefill::{QUERIES, UNITS, prefill_wgmma};
+use hopper_prefill::{PANEL, QUERIES, UNITS, k_major, prefill_wgmma, prefill_wgmma_tma};
 
 type Bf16 = half::bf16;
 
@@ -58,22 +59,68 @@ fn main() {
     let libdevice = std::env::var("HOPPER_PREFILL_EXP").map_or(true, |v| v != "poly");
     // P from registers unless HOPPER_PREFILL_P=shared.
     let p_shared = std::env::var("HOPPER_PREFILL_P").is_ok_and(|v| v == "shared");
-    let launch = || unsafe {
-        prefill_wgmma::launch_unchecked::<Bf16>(
-            &client,
-            CubeCount::Static(seq.div_ceil(QUERIES) as u32, heads as u32, 1),
-            CubeDim::new_1d(UNITS as u32),
-            BufferArg::from_raw_parts(qh.clone(), n),
-            BufferArg::from_raw_parts(kh.clone(), kv_n),
-            BufferArg::from_raw_parts(vh.clone(), kv_n),
-            BufferArg::from_raw_parts(out.clone(), n),
-            seq,
-            group,
-            scale,
-            d,
-            libdevice,
-            p_shared,
+    // Tiles staged by the units unless HOPPER_PREFILL_LOAD=tma.
+    let tma = std::env::var("HOPPER_PREFILL_LOAD").is_ok_and(|v| v == "tma");
+    // `x` as a `[rows, D]` tensor (uploaded once) and, at each launch, a tensor map over it:
+    // boxes of 64 rows × one 128-byte panel, swizzled as the tiles are.
+    let tensor = |x: &[Bf16], rows: usize| {
+        let shape: Shape = [rows, d].into();
+        let layout = client.create_tensor_from_slice(Bf16::as_bytes(x), shape.clone(), 2);
+        (layout.memory, layout.strides, shape)
+    };
+    let (qt, kt, vt) = (
+        tensor(&q, heads * seq),
+        tensor(&k, heads / group * seq),
+        tensor(&v, heads / group * seq),
+    );
+    let map = |(memory, strides, shape): &(_, _, Shape)| {
+        let tensor = unsafe {
+            TensorArg::from_raw_parts(Clone::clone(memory), Clone::clone(strides), shape.clone())
+        };
+        TensorMapArg::new(
+            TiledArgs {
+                tile_size: [QUERIES, PANEL].into(),
+            },
+            tensor,
+            Bf16::elem_type_native(),
         )
+        .with_swizzle(k_major(QUERIES, d).tensor_map_swizzle())
+    };
+    let count = CubeCount::Static(seq.div_ceil(QUERIES) as u32, heads as u32, 1);
+    let launch = || unsafe {
+        if tma {
+            prefill_wgmma_tma::launch_unchecked::<Bf16>(
+                &client,
+                count.clone(),
+                CubeDim::new_1d(UNITS as u32),
+                map(&qt),
+                map(&kt),
+                map(&vt),
+                BufferArg::from_raw_parts(out.clone(), n),
+                seq,
+                group,
+                scale,
+                d,
+                libdevice,
+                p_shared,
+            )
+        } else {
+            prefill_wgmma::launch_unchecked::<Bf16>(
+                &client,
+                count.clone(),
+                CubeDim::new_1d(UNITS as u32),
+                BufferArg::from_raw_parts(qh.clone(), n),
+                BufferArg::from_raw_parts(kh.clone(), kv_n),
+                BufferArg::from_raw_parts(vh.clone(), kv_n),
+                BufferArg::from_raw_parts(out.clone(), n),
+                seq,
+                group,
+                scale,
+                d,
+                libdevice,
+                p_shared,
+            )
+        }
     };
     launch();
     let got = f32::from_bytes(&client.read_one_unchecked(out.clone())).to_vec();
@@ -103,10 +150,11 @@ fn main() {
         }
     }
     println!(
-        "heads {heads} seq {seq} D {d} group {group} (exp: {}, P: {}): largest error against the \
-         reference {worst:.3e}",
+        "heads {heads} seq {seq} D {d} group {group} (exp: {}, P: {}, loads: {}): largest error \
+         against the reference {worst:.3e}",
         if libdevice { "libdevice" } else { "polynomial" },
-        if p_shared { "shared" } else { "registers" }
+        if p_shared { "shared" } else { "registers" },
+        if tma { "TMA" } else { "units" }
     );
 
     let sync = || cubecl::future::block_on(client.sync()).expect("sync");

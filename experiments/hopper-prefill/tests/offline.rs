@@ -1,4 +1,5 @@
-//! The kernel compiled to PTX for sm_90 without a GPU: its products are warp-group MMAs.
+//! The kernels compiled to PTX for sm_90a without a GPU: their products are warp-group MMAs,
+//! and the TMA one's loads bulk tensor copies.
 
 use std::ffi::CStr;
 use std::sync::Arc;
@@ -10,11 +11,15 @@ use cubecl::prelude::*;
 use cubecl_llvm::nvptx::ptx_version::PtxVersion;
 use cubecl_llvm::{LlvmTarget, PlironArtifact, PlironCompiler, PlironOptions};
 use cubecl_runtime::kernel::CubeKernel;
-use hopper_prefill::{KEYS, UNITS, prefill_wgmma};
+use hopper_prefill::{KEYS, UNITS, prefill_wgmma, prefill_wgmma_tma};
 
-/// A Hopper as the compiler sees it: bf16 × bf16 → f32 warpgroup MMAs of `n` up to 128.
+/// A Hopper as the compiler sees it: bf16 × bf16 → f32 warpgroup MMAs of `n` up to 256, TMA.
 fn hopper() -> Arc<DeviceProperties> {
+    use cubecl::ir::{OpaqueType, features::Tma};
     let mut props = cubecl_core::runtime_tests::offline::offline_device_properties(32);
+    props.features.tma.insert(Tma::Base);
+    props.register_opaque_type(OpaqueType::TensorMap);
+    props.register_opaque_type(OpaqueType::Barrier);
     props.features.matmul.wgmma.insert(WgmmaConfig {
         elems: WgmmaElems {
             a: half::bf16::cube_type(),
@@ -29,27 +34,49 @@ fn hopper() -> Arc<DeviceProperties> {
     Arc::new(props)
 }
 
-fn ptx(d: usize, p_shared: bool) -> String {
-    let settings = KernelSettings::new(
+fn settings() -> KernelSettings {
+    KernelSettings::new(
         *CubeDim::new_1d(UNITS as u32),
         ExecutionMode::Unchecked,
         AddressType::U32,
-    );
-    let kernel = prefill_wgmma::PrefillWgmma::<half::bf16>::new(
-        settings,
-        hopper(),
-        Arc::new(TargetProperties::default()),
-        BufferCompilationArg { inplace: None },
-        BufferCompilationArg { inplace: None },
-        BufferCompilationArg { inplace: None },
-        BufferCompilationArg { inplace: None },
-        (),
-        (),
-        (),
-        d,
-        false,
-        p_shared,
-    );
+    )
+}
+
+/// The PTX of the kernel that stages its tiles with its units, or of the TMA one (`tma`).
+fn ptx(d: usize, p_shared: bool, tma: bool) -> String {
+    let kernel: Box<dyn CubeKernel> = if tma {
+        Box::new(prefill_wgmma_tma::PrefillWgmmaTma::<half::bf16>::new(
+            settings(),
+            hopper(),
+            Arc::new(TargetProperties::default()),
+            (),
+            (),
+            (),
+            BufferCompilationArg { inplace: None },
+            (),
+            (),
+            (),
+            d,
+            false,
+            p_shared,
+        ))
+    } else {
+        Box::new(prefill_wgmma::PrefillWgmma::<half::bf16>::new(
+            settings(),
+            hopper(),
+            Arc::new(TargetProperties::default()),
+            BufferCompilationArg { inplace: None },
+            BufferCompilationArg { inplace: None },
+            BufferCompilationArg { inplace: None },
+            BufferCompilationArg { inplace: None },
+            (),
+            (),
+            (),
+            d,
+            false,
+            p_shared,
+        ))
+    };
     let options = PlironOptions {
         sm_arch: Some(SmArch::new(90, true)),
         ptx_version: PtxVersion::for_driver(12080),
@@ -72,12 +99,21 @@ fn ptx(d: usize, p_shared: bool) -> String {
 
 #[test]
 fn both_products_are_warpgroup_mmas() {
-    for (d, p_shared) in [(64, false), (128, false), (64, true), (128, true)] {
-        let ptx = ptx(d, p_shared);
+    let forms = [false, true].into_iter().flat_map(|tma| {
+        [
+            (64, false, tma),
+            (128, false, tma),
+            (64, true, tma),
+            (128, true, tma),
+        ]
+    });
+    for (d, p_shared, tma) in forms {
+        let ptx = ptx(d, p_shared, tma);
         // HOPPER_PREFILL_PTX_DIR=DIR keeps the PTX for reading.
         if let Ok(dir) = std::env::var("HOPPER_PREFILL_PTX_DIR") {
             let p = if p_shared { "-p-shared" } else { "" };
-            std::fs::write(format!("{dir}/prefill_wgmma_d{d}{p}.ptx"), &ptx).unwrap();
+            let t = if tma { "-tma" } else { "" };
+            std::fs::write(format!("{dir}/prefill_wgmma_d{d}{p}{t}.ptx"), &ptx).unwrap();
         }
         // S = Q·Kᵀ: D / 16 MMAs of n = KEYS; P·V: KEYS / 16 MMAs of n = D, A from registers.
         let s = ptx
