@@ -23,13 +23,8 @@ pub fn quantize_tensor(x: &[f32], rows: usize, cols: usize) -> (Vec<u8>, Vec<f32
         rows * cols,
         "quantize_tensor: x is not rows × cols"
     );
-    let amax = x.iter().fold(0.0f32, |m, v| m.max(v.abs()));
-    let scale = if amax > 0.0 { amax / E4M3_MAX } else { 1.0 };
-    let codes = x
-        .iter()
-        .map(|&v| cubecl::e4m3::from_f32(v / scale).to_bits())
-        .collect();
-    (codes, vec![scale; rows])
+    let scale = scale_of(x);
+    (codes_of(x, scale).collect(), vec![scale; rows])
 }
 
 /// Quantises `x` (`rows × cols` f32, row-major) row by row as the kernel does: the E4M3 codes
@@ -39,15 +34,24 @@ pub fn quantize_rows(x: &[f32], rows: usize, cols: usize) -> (Vec<u8>, Vec<f32>)
     let mut codes = Vec::with_capacity(x.len());
     let mut scales = Vec::with_capacity(rows);
     for row in x.chunks(cols.max(1)).take(rows) {
-        let amax = row.iter().fold(0.0f32, |m, v| m.max(v.abs()));
-        let scale = if amax > 0.0 { amax / E4M3_MAX } else { 1.0 };
-        codes.extend(
-            row.iter()
-                .map(|&v| cubecl::e4m3::from_f32(v / scale).to_bits()),
-        );
+        let scale = scale_of(row);
+        codes.extend(codes_of(row, scale));
         scales.push(scale);
     }
     (codes, scales)
+}
+
+/// The scale that maps the largest magnitude of `values` to 448 (1 for zeros).
+fn scale_of(values: &[f32]) -> f32 {
+    let amax = values.iter().fold(0.0f32, |m, v| m.max(v.abs()));
+    if amax > 0.0 { amax / E4M3_MAX } else { 1.0 }
+}
+
+/// The E4M3 codes of `values / scale` (round to nearest even, saturating).
+fn codes_of(values: &[f32], scale: f32) -> impl Iterator<Item = u8> + '_ {
+    values
+        .iter()
+        .map(move |&v| cubecl::e4m3::from_f32(v / scale).to_bits())
 }
 
 /// The values `code · scale` of row-quantised codes, `rows × cols` f32.
@@ -61,9 +65,9 @@ pub fn dequantize_rows(codes: &[u8], scales: &[f32], cols: usize) -> Vec<f32> {
 
 /// `y = x · Wᵀ (+ b) (+ residual)` as [`super::fp8_linear`] defines it in a product of at most
 /// 1,024 rows that is not batch-invariant: `x [M, K]` quantised as the weight is (per tensor or
-/// per row; the same for one row), both operands dequantised, the sums in f64 on the host (no device arithmetic that
-/// could round differently, such as TF32 products), rounded once to `x`'s dtype. Reads its
-/// operands back to the host.
+/// per row; the same for one row), both operands dequantised, the sums in f64 on the host (no
+/// device arithmetic that could round differently, such as TF32 products), rounded once to
+/// `x`'s dtype. Reads its operands back to the host.
 pub fn fp8_linear(
     x: Tensor<2>,
     weight: &Fp8Rows,
