@@ -101,8 +101,8 @@ pub struct EngineConfig {
     /// How the layers' products store their weights (vLLM's `quantization`): `None`, the
     /// checkpoint's dtype, or `Fp8`: E4M3 weights with one scale per weight tensor (vLLM's
     /// online FP8), quantised from the 16-bit checkpoint at start-up (half the bytes a step
-    /// reads), activations quantised on the fly, the products on cuBLASLt's FP8 GEMM. FP8 needs a CUDA device of
-    /// compute capability 8.9 or later (emulated on `cubecl-cpu`, for tests).
+    /// reads), activations quantised on the fly, the products on cuBLASLt's FP8 GEMM. FP8 needs
+    /// a CUDA device of compute capability 8.9 or later (emulated on `cubecl-cpu`, for tests).
     #[serde(default)]
     pub quantization: Quantization,
 }

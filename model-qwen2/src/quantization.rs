@@ -15,9 +15,10 @@ pub enum Quantization {
     None,
     /// FP8 E4M3 weights with one scale per weight tensor (vLLM's online FP8; per output
     /// feature with `BURN_NANOVLLM_FP8_SCALES=row`), quantised from the 16-bit checkpoint at
-    /// load; activations quantised on the fly, per tensor (per token in one-row and
-    /// batch-invariant products; [`cubecl_kernels::fp8_linear()`]). The layers' q/k/v, o, gate/up and down products; the
-    /// embedding and the LM head stay in the model's dtype.
+    /// load; activations quantised on the fly, per tensor (per token in one-row,
+    /// batch-invariant and over-1,024-row products; [`cubecl_kernels::fp8_linear()`]). The
+    /// layers' q/k/v, o, gate/up and down products; the embedding and the LM head stay in the
+    /// model's dtype.
     #[serde(rename = "fp8")]
     Fp8,
 }

@@ -1,8 +1,8 @@
 //! Device side of the FP8 linear family: the quantisation (per row or per tensor) and its
 //! inverse.
 //!
-//! `quantize` per row: one cube per row of `x [M, K]`; the units stride over the row in vectors of
-//! `NV`, reduce its largest magnitude over the cube, then write `round(x / scale)` as E4M3
+//! `quantize` per row: one cube per row of `x [M, K]`; the units stride over the row in vectors
+//! of `NV`, reduce its largest magnitude over the cube, then write `round(x / scale)` as E4M3
 //! codes (`codes [M, K]`, round to nearest even, saturating; stored four to a 32-bit word,
 //! `[M, K / 4]`, converted two an instruction by PTX's `cvt` where `ptx`) and
 //! `scale = amax / 448` (1 for a row of zeros) to `scales [M]`. Each unit reads its elements

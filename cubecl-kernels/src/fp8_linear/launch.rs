@@ -9,8 +9,8 @@
 //! `quantize` (per row) and `amax_rows`: one cube per row, `cube_units` units (4 planes on
 //! GPUs; up to a vector per unit, at most 1,024, when there are fewer rows than twice the
 //! multiprocessors), vectors of up to 16 bytes of the input; `quantize` per tensor: as many
-//! cubes as rows, at most eight per multiprocessor. `dequantize_rows`: one unit per vector, 256-unit
-//! cubes.
+//! cubes as rows, at most eight per multiprocessor. `dequantize_rows`: one unit per vector,
+//! 256-unit cubes.
 //!
 //! A weight quantised per tensor ([`super::Fp8Scaling::PerTensor`]) takes activations
 //! quantised per tensor too and cuBLASLt's scalar-scale FP8 GEMM (vLLM's online FP8), except
@@ -48,9 +48,9 @@ const SKINNY_MAX_M: usize = 1;
 const MAX_QUANTIZE_UNITS: usize = 1024;
 
 /// Cubes of a per-tensor `quantize` per multiprocessor at most (each reads all of `amax [R]`
-/// once).
-/// Two a multiprocessor took 77 µs over 4,608 × 3,584 bf16 values on the H200, against 49 µs
-/// for the per-row form's cube a row.
+/// once). Two a multiprocessor took 77 µs over 4,608 × 3,584 bf16 values on the H200 (byte
+/// stores then), against 49 µs for the per-row form's cube a row; eight is not timed on its own
+/// (the per-tensor products of up to 1,024 rows ran with it).
 const TENSOR_QUANTIZE_CUBES_PER_MP: usize = 8;
 
 /// Largest `M` whose activations a per-tensor weight's product quantises per tensor; larger
@@ -100,7 +100,8 @@ pub(crate) fn quantize(x: CubeTensor, per_tensor: bool) -> (CubeTensor, CubeTens
     let use_plane = caps.plane_ops && units.is_multiple_of(caps.plane_size);
     let dtypes = [dtype_to_storage_type(x.dtype), E4M3];
     let cube_dim = CubeDim::new_1d(units as u32);
-    let amax = alloc(Shape::new([r]), DType::F32);
+    // Each row's largest magnitude (per tensor; per row one unread element binds the argument).
+    let amax = alloc(Shape::new([if per_tensor { r } else { 1 }]), DType::F32);
     let cubes = if per_tensor {
         r.min(TENSOR_QUANTIZE_CUBES_PER_MP * caps.multiprocessors.max(1))
     } else {

@@ -12,9 +12,9 @@
 //! Routes: on CUDA devices with FP8 tensor cores (compute capability ≥ 8.9), cuBLASLt's FP8
 //! GEMM with scalar scales (per tensor) or per-row scale vectors (`rms_norm_linear/cublas.rs`:
 //! the bias as its epilogue, the residual as C with `beta = 1`, on CubeCL's stream and so
-//! inside CUDA graphs); on CubeCL's CPU
-//! runtime (tests) and wherever cuBLASLt's FP8 product fails, an emulation with the same
-//! quantisation: the codes dequantised to f32 and multiplied by the f32 linear kernels.
+//! inside CUDA graphs); on CubeCL's CPU runtime (tests) and wherever cuBLASLt's FP8 product
+//! fails, an emulation with the same quantisation: the codes dequantised to f32 and multiplied
+//! by the f32 linear kernels.
 //! [`fp8_linear_support`] says whether a device runs it.
 //!
 //! Burn has no 8-bit float dtype and a float tensor cannot hold `U8`, so the codes travel in an

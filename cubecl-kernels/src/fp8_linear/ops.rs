@@ -23,8 +23,9 @@ pub trait Fp8LinearOps: Backend {
     ) -> (FloatTensor<Self>, FloatTensor<Self>);
 
     /// `y [M, N] = x [M, K] · Wᵀ (+ bias [N]) (+ residual [M, N])`, `W` given by its codes
-    /// (`[N, K / 2]` carrier) and scales (`[N]` f32, all equal with [`Fp8Operands::PER_TENSOR`]). `operands` ([`Fp8Operands`] bits) says
-    /// which of `bias` and `residual` are real; the others are placeholders, never read.
+    /// (`[N, K / 2]` carrier) and scales (`[N]` f32, all equal with
+    /// [`Fp8Operands::PER_TENSOR`]). `operands` ([`Fp8Operands`] bits) says which of `bias` and
+    /// `residual` are real; the others are placeholders, never read.
     #[fusion(meta = linear_meta)]
     fn fp8_linear(
         x: FloatTensor<Self>,

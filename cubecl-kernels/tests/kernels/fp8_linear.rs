@@ -1,6 +1,7 @@
 //! FP8 weights: the quantisation (per row and per tensor) against the host's E4M3 rounding
-//! (exact), and the FP8 product (on CUDA in bf16: cuBLASLt's FP8 GEMM) against its definition (the host-quantised operands multiplied in f32) and within
-//! one E4M3 step of the unquantised product.
+//! (exact), and the FP8 product (on CUDA in bf16: cuBLASLt's FP8 GEMM) against its definition
+//! (the host-quantised operands multiplied in f32) and within one E4M3 step of the unquantised
+//! product.
 
 use burn::tensor::{DType, Tensor};
 use cubecl_kernels::fp8_linear::reference;
@@ -93,10 +94,10 @@ fn fp8_quantize_matches_the_host() {
 }
 
 /// `fp8_linear` equals its definition (host quantisation, per row or per tensor; f32 product)
-/// up to the f32 sums' order and the output's rounding, and lies within one E4M3 step of each operand of the
-/// unquantised product: `|y − x·Wᵀ| ≤ (2·2⁻⁴ + 2⁻⁸)·Σ_k |x_k|·|w_k|` (each code within half a
-/// step, 2⁻⁴ of its value, of the value it stands for), with and without bias and residual, at
-/// decode and prefill row counts.
+/// up to the f32 sums' order and the output's rounding, and lies within one E4M3 step of each
+/// operand of the unquantised product: `|y − x·Wᵀ| ≤ (2·2⁻⁴ + 2⁻⁸)·Σ_k |x_k|·|w_k|` (each
+/// code within half a step, 2⁻⁴ of its value, of the value it stands for), with and without
+/// bias and residual, at decode and prefill row counts.
 #[test]
 fn fp8_linear_matches_its_definition() {
     let mut rng = rng("fp8_linear_matches_its_definition");
