@@ -199,8 +199,9 @@ fn fp8_weights_under_tensor_parallelism() {
     }
     let prompts = Golden::load(DEFAULT_MODEL).prompts();
     let continue_all = |config: EngineConfig| {
+        let quantization = config.quantization;
         let mut e = engine(KvCacheDtype::Auto, config);
-        assert_eq!(e.limits().quantization, Quantization::Fp8);
+        assert_eq!(e.limits().quantization, quantization);
         let ids: Vec<_> = prompts
             .iter()
             .map(|p| e.add_request(p.clone(), greedy(8)).unwrap())
@@ -225,13 +226,7 @@ fn fp8_weights_under_tensor_parallelism() {
             .collect()
     };
     let common = common_prefixes(&one, &two);
-    let mut bf16 = engine(KvCacheDtype::Auto, small_config());
-    let ids: Vec<_> = prompts
-        .iter()
-        .map(|p| bf16.add_request(p.clone(), greedy(8)).unwrap())
-        .collect();
-    let bf16 = drain(&mut bf16, &ids);
-    let quantisation = common_prefixes(&one, &bf16);
+    let quantisation = common_prefixes(&one, &continue_all(small_config()));
     eprintln!(
         "TP 2 against one rank, FP8 weights: common greedy prefixes {common:?} of 8; one rank's \
          FP8 against its unquantised weights: {quantisation:?}"
