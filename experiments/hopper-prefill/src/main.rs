@@ -51,8 +51,6 @@ fn main() {
     let n = heads * seq * d;
     let kv_n = n / group;
     let (q, k, v) = (random(n), random(kv_n), random(kv_n));
-    let upload = |x: &[Bf16]| client.create_from_slice(Bf16::as_bytes(x));
-    let (qh, kh, vh) = (upload(&q), upload(&k), upload(&v));
     let out = client.create_from_slice(f32::as_bytes(&vec![0.0f32; n]));
     let scale = 1.0 / (d as f32).sqrt();
     // libdevice's `expf` unless HOPPER_PREFILL_EXP=poly.
@@ -61,18 +59,23 @@ fn main() {
     let p_shared = std::env::var("HOPPER_PREFILL_P").is_ok_and(|v| v == "shared");
     // Tiles staged by the units unless HOPPER_PREFILL_LOAD=tma.
     let tma = std::env::var("HOPPER_PREFILL_LOAD").is_ok_and(|v| v == "tma");
-    // `x` as a `[rows, D]` tensor (uploaded once) and, at each launch, a tensor map over it:
-    // boxes of 64 rows × one 128-byte panel, swizzled as the tiles are.
+    // Q, K and V uploaded once, as the loader reads them: plain buffers for the units, or
+    // `[rows, D]` tensors with a tensor map over each at every launch (boxes of 64 rows × one
+    // 128-byte panel, swizzled as the tiles are).
+    let upload = |x: &[Bf16]| client.create_from_slice(Bf16::as_bytes(x));
+    let buffers = (!tma).then(|| [upload(&q), upload(&k), upload(&v)]);
     let tensor = |x: &[Bf16], rows: usize| {
         let shape: Shape = [rows, d].into();
         let layout = client.create_tensor_from_slice(Bf16::as_bytes(x), shape.clone(), 2);
         (layout.memory, layout.strides, shape)
     };
-    let (qt, kt, vt) = (
-        tensor(&q, heads * seq),
-        tensor(&k, heads / group * seq),
-        tensor(&v, heads / group * seq),
-    );
+    let tensors = tma.then(|| {
+        [
+            tensor(&q, heads * seq),
+            tensor(&k, heads / group * seq),
+            tensor(&v, heads / group * seq),
+        ]
+    });
     let map = |(memory, strides, shape): &(_, _, Shape)| {
         let tensor = unsafe {
             TensorArg::from_raw_parts(Clone::clone(memory), Clone::clone(strides), shape.clone())
@@ -88,14 +91,14 @@ fn main() {
     };
     let count = CubeCount::Static(seq.div_ceil(QUERIES) as u32, heads as u32, 1);
     let launch = || unsafe {
-        if tma {
+        if let Some([qt, kt, vt]) = &tensors {
             prefill_wgmma_tma::launch_unchecked::<Bf16>(
                 &client,
                 count.clone(),
                 CubeDim::new_1d(UNITS as u32),
-                map(&qt),
-                map(&kt),
-                map(&vt),
+                map(qt),
+                map(kt),
+                map(vt),
                 BufferArg::from_raw_parts(out.clone(), n),
                 seq,
                 group,
@@ -104,7 +107,7 @@ fn main() {
                 libdevice,
                 p_shared,
             )
-        } else {
+        } else if let Some([qh, kh, vh]) = &buffers {
             prefill_wgmma::launch_unchecked::<Bf16>(
                 &client,
                 count.clone(),
